@@ -1,0 +1,94 @@
+"""HF safetensors -> the compiled model's parameter set.
+
+What changes on the way: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba are split into the
+Qwen3.5 layout (one model definition serves both); conv1d weights drop their singleton axis;
+zero-centred RMSNorm weights get the +1 folded in (not linear_attn.norm, which is a plain scale);
+VLM prefixes are stripped; dtypes are set per parameter; the rope frequency table is added.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable
+
+import numpy as np
+
+from .config import ModelConfig
+
+_ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_\w+)\.weight$"
+                           r"|^model\.norm\.weight$|^mtp\.norm\.weight$")
+_IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def _canonical_name(name: str) -> str:
+    for pre, repl in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                      ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(pre):
+            return repl + name[len(pre):]
+    return name
+
+
+def _split_next_qkvz(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // hk
+    g = w.reshape(hk, 2 * dk + 2 * r * dv, -1)
+    q, k = g[:, :dk], g[:, dk:2 * dk]
+    v, z = g[:, 2 * dk:2 * dk + r * dv], g[:, 2 * dk + r * dv:]
+    flat = lambda t: t.reshape(-1, w.shape[-1])  # noqa: E731
+    return np.concatenate([flat(q), flat(k), flat(v)], 0), flat(z)
+
+
+def _split_next_ba(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    hk = cfg.linear_num_key_heads
+    r = cfg.linear_num_value_heads // hk
+    g = w.reshape(hk, 2 * r, -1)
+    return g[:, :r].reshape(-1, w.shape[-1]), g[:, r:].reshape(-1, w.shape[-1])
+
+
+def hf_to_params(
+    tensors: dict[str, np.ndarray],
+    cfg: ModelConfig,
+    param_specs: Iterable[tuple[str, tuple, str]],
+    rope_tables: tuple[np.ndarray, float],
+    cast: Callable[[np.ndarray, str], np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Map an HF state dict onto the compiled parameter list [(name, shape, dtype)]."""
+    src: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        name = _canonical_name(name)
+        if _IGNORED.match(name):
+            continue
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            base = name[: -len("in_proj_qkvz.weight")]
+            src[base + "in_proj_qkv.weight"], src[base + "in_proj_z.weight"] = _split_next_qkvz(arr, cfg)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            base = name[: -len("in_proj_ba.weight")]
+            src[base + "in_proj_b.weight"], src[base + "in_proj_a.weight"] = _split_next_ba(arr, cfg)
+        else:
+            src[name] = arr
+    inv_freq, factor = rope_tables
+    src["rope_inv_freq"] = np.asarray(inv_freq, np.float32)
+    src["rope_attn_factor"] = np.array([factor], np.float32)
+
+    cast = cast or (lambda a, dt: a.astype(dt))
+    out: dict[str, np.ndarray] = {}
+    missing = []
+    for name, shape, dtype in param_specs:
+        if name not in src:
+            missing.append(name)
+            continue
+        arr = np.asarray(src[name])
+        if name.endswith("conv1d.weight") and arr.ndim == 3:
+            arr = arr[:, 0, :]
+        if _ZERO_CENTRED.search(name):
+            arr = arr.astype(np.float32) + 1.0
+        if tuple(arr.shape) != tuple(shape):
+            raise ConversionError(f"weight {name}: checkpoint shape {tuple(arr.shape)} != model shape {tuple(shape)}")
+        out[name] = cast(arr, dtype)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ConversionError(f"checkpoint lacks weights: {', '.join(missing[:5])}{more}")
+    return out
