@@ -78,10 +78,10 @@ class RopeSpec:
             f = 1.0
         else:
             f = factor if factor is not None else rp.get("factor")
-            if f is None and rope_type == "yarn":
-                f = max_pos / orig  # HF yarn fallback when factor is absent
+            if f is None and rope_type == "yarn" and scaling_type is None:
+                f = max_pos / orig  # HF yarn fallback when config.json omits the factor
             if f is None:
-                raise ValueError(f"rope scaling type {rope_type!r} needs a factor")
+                raise ValueError(f"rope scaling type {rope_type!r} needs a factor (--rope-scaling-factor)")
         return cls(rope_type=rope_type, theta=float(theta), rotary_dim=int(hd * prf), factor=f,
                    original_max_position_embeddings=int(orig),
                    beta_fast=rp.get("beta_fast") or 32.0, beta_slow=rp.get("beta_slow") or 1.0,

@@ -1,0 +1,165 @@
+"""`ninfer compile`: HF model directory -> dist/NAME/ (library, weight shards, manifest)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ..runtime import safetensors_io
+from ..runtime.artifact import Manifest, write_manifest
+from .config import ConfigError, ModelConfig, load_config
+from .convert import hf_to_params
+from .model import PAGE_SIZE, Qwen3xForCausalLM
+from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
+from .targets import TargetSpec, cuda_build_env, parse_target
+
+QUANT_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+SHARD_BYTES = 1 << 30
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json", "config.json")
+
+
+def _np_dtype(dtype: str):
+    return np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def rope_tables_for(cfg: ModelConfig, overrides: dict) -> tuple[np.ndarray, float, dict]:
+    """Frequency table + attention factor for the rope setup, with CLI overrides applied.
+
+    overrides: scaling_type / factor / original_context (None = from config.json).
+    """
+    hf = {"rope_parameters": cfg.rope, "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings}
+    try:
+        spec = RopeSpec.from_hf_config(hf, head_dim=cfg.head_dim, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    inv_freq, factor = inv_freq_and_attention_factor(spec)
+    info = {"type": spec.rope_type, "theta": spec.theta, "rotary_dim": spec.rotary_dim, "factor": spec.factor,
+            "original_context": spec.original_max_position_embeddings, "attention_factor": float(factor),
+            "max_context": max(spec.max_context(), cfg.max_position_embeddings if spec.factor == 1.0 else 0)}
+    return inv_freq, float(factor), info
+
+
+def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec) -> str:
+    """Libraries depend only on geometry, dtype, target, TVM and our compiler sources."""
+    import tvm
+
+    h = hashlib.sha256()
+    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
+    h.update(json.dumps([geo, dtype, target.name, tvm.__version__], sort_keys=True).encode())
+    for src in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(src.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path) -> list:
+    """Export the relax module, build it for the target, write the shared library.
+
+    Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
+    directory to reuse libraries of identical geometry (the test suite does).
+    """
+    from tvm import relax
+
+    model = Qwen3xForCausalLM(cfg, dtype)
+    mod, pspec = model.export_tvm(spec=model.export_spec())
+    specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
+    cache = os.environ.get("NINFER_LIB_CACHE")
+    cached = Path(cache) / f"{_cache_key(cfg, dtype, target)}.so" if cache else None
+    if cached is not None and cached.is_file():
+        lib_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(cached, lib_path)
+        return specs
+    tgt = target.tvm_target()
+    if target.kind == "cuda":
+        from .gpu_pipeline import build_cuda
+
+        with cuda_build_env(tgt):
+            ex = build_cuda(mod, tgt)
+    else:
+        ex = relax.build(mod, target=tgt)
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    ex.export_library(str(lib_path))
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copy2(lib_path, tmp)
+        os.replace(tmp, cached)
+    return specs
+
+
+def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
+    shards, cur, size = [], {}, 0
+    for name, arr in params.items():
+        if cur and size + arr.nbytes > SHARD_BYTES:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = arr
+        size += arr.nbytes
+    if cur:
+        shards.append(cur)
+    names = []
+    (out_dir / "params").mkdir(parents=True, exist_ok=True)
+    for i, shard in enumerate(shards):
+        rel = f"params/params_{i:05d}.safetensors"
+        safetensors_io.save(out_dir / rel, shard)
+        names.append(rel)
+    return names
+
+
+def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
+                  out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
+                  log=print) -> Path:
+    model_dir = Path(model_dir)
+    cfg = load_config(model_dir)
+    tspec = parse_target(target)
+    if quant not in QUANT_DTYPES:
+        raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_DTYPES)}")
+    dtype = QUANT_DTYPES[quant]
+    inv_freq, factor, rope_info = rope_tables_for(cfg, rope_overrides or {})
+    limit = rope_info["max_context"]
+    max_context = int(max_context or min(limit, cfg.max_position_embeddings))
+    if max_context < 1:
+        raise ConfigError("--max-context must be positive")
+    if max_context > limit:
+        raise ConfigError(f"--max-context {max_context} exceeds what the rope setup supports ({limit}); "
+                          "raise --rope-scaling-factor")
+    name = name or f"{model_dir.name}-{quant}-{tspec.name}"
+    out = Path(out_dir or Path("dist") / name)
+    if not list(model_dir.glob("*.safetensors")):
+        raise ConfigError(f"{model_dir} has no *.safetensors weights")
+    out.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.time()
+    lib_rel = f"{name}.so"
+    specs = build_library(cfg, dtype, tspec, out / lib_rel)
+    log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
+
+    t1 = time.time()
+    np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
+    params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
+                          cast=lambda a, dt: np.asarray(a, dtype=np.float32).astype(np_dt[dt]) if a.dtype != np_dt[dt] else a)
+    shards = write_weights(params, out)
+    log(f"converted {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s")
+    for f in TOKENIZER_FILES:
+        if (model_dir / f).is_file():
+            shutil.copy2(model_dir / f, out / f)
+
+    import tvm
+
+    write_manifest(out, Manifest(
+        name=name, config=cfg.to_dict(), target=tspec.name, dtype=dtype, kv_dtype=dtype, page_size=PAGE_SIZE,
+        max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
+        tvm_version=tvm.__version__, rope=rope_info,
+    ))
+    log(f"wrote {out}")
+    return out
+
+
+def describe(out: Path) -> str:
+    return json.dumps(json.loads((out / "manifest.json").read_text())["files"], indent=1)

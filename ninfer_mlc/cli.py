@@ -1,0 +1,88 @@
+"""`ninfer` command line: compile, serve, generate, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .paths import default_model_dir
+
+
+class CLIError(SystemExit):
+    """Exit with a one-line message that names the offending flag."""
+
+    def __init__(self, msg: str):
+        print(f"ninfer: error: {msg}", file=sys.stderr)
+        super().__init__(2)
+
+
+def _compile(args) -> int:
+    from .compile.build import compile_model
+    from .compile.config import ConfigError
+    from .compile.convert import ConversionError
+    from .compile.targets import TargetError
+
+    try:
+        compile_model(args.model_dir, target=args.target, quant=args.quant, max_context=args.max_context,
+                      out_dir=args.output, name=args.name,
+                      rope_overrides={"scaling_type": args.rope_scaling_type, "factor": args.rope_scaling_factor,
+                                      "original_context": args.rope_scaling_original_context})
+    except (ConfigError, ConversionError, TargetError) as e:
+        raise CLIError(str(e)) from None
+    return 0
+
+
+def _generate(args) -> int:
+    from .generate import generate_text
+
+    text = generate_text(args.model or default_model_dir(), args.prompt, max_tokens=args.max_tokens,
+                         temperature=args.temperature, seed=args.seed, chat=not args.raw)
+    print(text)
+    return 0
+
+
+def _serve(args) -> int:
+    from .server.app import run_server
+
+    return run_server(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer", description="Compiler-based engine for Qwen3.x hybrid models")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("compile", help="compile a Hugging Face model directory into dist/NAME/")
+    c.add_argument("model_dir")
+    c.add_argument("--target", default="llvm", help="llvm | cuda:sm_90 | cuda:sm_120")
+    c.add_argument("--quant", default="f32", help="f32 | bf16")
+    c.add_argument("--max-context", type=int, default=None)
+    c.add_argument("-o", "--output", default=None, help="output directory (default dist/NAME)")
+    c.add_argument("--name", default=None)
+    c.add_argument("--rope-scaling-type", choices=["linear", "yarn"], default=None)
+    c.add_argument("--rope-scaling-factor", type=float, default=None)
+    c.add_argument("--rope-scaling-original-context", type=int, default=None)
+    c.set_defaults(func=_compile)
+
+    g = sub.add_parser("generate", help="generate text for one prompt (quick check)")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="compiled model dir (default: the embedded tiny model)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.set_defaults(func=_generate)
+
+    from .server.options import add_serve_args
+
+    s = sub.add_parser("serve", help="OpenAI + Anthropic compatible HTTP server")
+    add_serve_args(s)
+    s.set_defaults(func=_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

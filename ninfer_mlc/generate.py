@@ -1,0 +1,38 @@
+"""One-shot generation through the engine (the `ninfer generate` command and smoke checks)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .chat_template import ChatTemplate
+from .runtime.engine import Engine, EngineOptions, GenRequest
+from .runtime.model_runner import ModelRunner
+from .runtime.sampling import SamplingParams
+from .runtime.tokenizer import eos_token_ids, load_tokenizer
+
+
+def open_engine(art_dir: str | Path, options: EngineOptions | None = None, **runner_kw) -> Engine:
+    options = options or EngineOptions()
+    runner = ModelRunner(art_dir, num_slots=options.max_concurrency, **runner_kw)
+    options.max_context = min(options.max_context, runner.manifest.max_context)
+    tok = load_tokenizer(art_dir)
+    eng = Engine(runner, tok, options, eos_token_ids(art_dir, tok, runner.cfg))
+    eng.start()
+    return eng
+
+
+def generate_text(art_dir: str | Path, prompt: str, max_tokens: int = 32, temperature: float = 0.0,
+                  seed: int | None = None, chat: bool = True) -> str:
+    eng = open_engine(art_dir)
+    try:
+        ids = _prompt_ids(art_dir, eng, prompt, chat)
+        h = eng.submit(GenRequest(ids, SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)))
+        return "".join(ev.text for ev in h.iter_sync(timeout=600) if hasattr(ev, "text"))
+    finally:
+        eng.stop()
+
+
+def _prompt_ids(art_dir, eng: Engine, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return eng.tok.encode(prompt).ids
+    text = ChatTemplate.from_model_dir(str(art_dir)).render([{"role": "user", "content": prompt}])
+    return eng.tok.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,34 @@
+"""`ninfer serve` flags (modelled on the incumbent ninfer-serve, research/ninfer_anchor.md §3)."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="compiled model directory (default: the embedded tiny model in dist/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--stats-port", type=int, default=0, help="second listener for /stats, /metrics, /health (0 = off)")
+    p.add_argument("--api-key", default=None, help="require this key as Bearer token or x-api-key")
+    p.add_argument("--model-id", default=None, help="public model name (default: the artifact name)")
+    p.add_argument("--max-context", type=int, default=None, help="per-sequence token limit (default: the artifact's)")
+    p.add_argument("--kv-capacity", default=None, help="device KV pool size in tokens (default: max-context x concurrency)")
+    p.add_argument("--max-concurrency", type=int, default=4, help="active sequences, 1..8")
+    p.add_argument("--max-pending-requests", type=int, default=16, help="queued requests beyond the active set (full -> 429)")
+    p.add_argument("--pending-timeout-ms", type=int, default=30000, help="queue deadline (-> 503)")
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--max-request-mib", type=float, default=64, help="request body limit (-> 413)")
+    p.add_argument("--default-max-tokens", type=int, default=8192)
+    p.add_argument("--request-log-jsonl", default=None, help="append one JSON line per finished request")
+    p.add_argument("--no-thinking", action="store_true", help="default enable_thinking=false")
+    p.add_argument("--preserve-thinking", action="store_true", help="keep reasoning of earlier assistant turns in prompts")
+    p.add_argument("--tolerant-tool-calls", action="store_true", help="recover malformed tool calls")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file overriding the model's")
+    p.add_argument("--cors", action="store_true", help="permissive CORS headers")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--log-level", default="info", choices=["trace", "debug", "info", "warning", "error", "off"])
+    for name, typ in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
+                      ("presence-penalty", float), ("frequency-penalty", float), ("seed", int)):
+        p.add_argument(f"--{name}", type=typ, default=None, help="process-level sampling override")
+    p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request says otherwise")

@@ -1,0 +1,215 @@
+"""Run a compiled model: weights on the device, runtime-owned KV pages and state slots.
+
+The runner turns lists of sequences into the ragged arrays the library takes and hands back
+fp32 logits. It knows nothing about requests, sampling or scheduling.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import safetensors_io
+from .artifact import Manifest, read_manifest
+from .kv_pages import OutOfPages, PageAllocator, SlotAllocator
+from .tvm_loader import device_for, import_tvm, load_vm
+
+
+@dataclass
+class SeqKV:
+    """Device residency of one sequence: its state slot, its KV pages and how many tokens they hold."""
+
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class TokenError(ValueError):
+    pass
+
+
+class ModelRunner:
+    def __init__(self, art_dir: str | Path, device: str = "auto", device_index: int = 0,
+                 kv_capacity_tokens: int | None = None, num_slots: int = 8, verify: str = "size"):
+        self.art_dir = Path(art_dir)
+        self.manifest: Manifest = read_manifest(self.art_dir, verify=verify)
+        m = self.manifest
+        self.cfg = m.config
+        kind = "cpu" if m.target == "llvm" else "cuda"
+        if device not in ("auto", kind):
+            raise ValueError(f"library {m.library} is built for {m.target}; it cannot run on device {device!r}")
+        self.device_kind = kind
+        self.tvm = import_tvm(kind)
+        self.dev = device_for(self.tvm, kind, device_index)
+        t0 = time.time()
+        self.vm = load_vm(self.tvm, self.art_dir / m.library, self.dev)
+        self.params = self._load_params()
+        self.load_seconds = time.time() - t0
+        self.page_size = m.page_size
+        self.vocab_size = int(self.cfg["vocab_size"])
+        cap = kv_capacity_tokens or max(m.max_context, self.page_size)
+        num_pages = -(-cap // self.page_size)
+        self.pages = PageAllocator(num_pages, self.page_size)
+        self.slots = SlotAllocator(num_slots)
+        self._alloc_pools(num_pages, num_slots)
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _load_params(self):
+        m = self.manifest
+        arrays: dict[str, np.ndarray] = {}
+        for rel in m.weight_shards:
+            arrays.update(safetensors_io.load(self.art_dir / rel))
+        out = []
+        self.weights_bytes = 0
+        for name, shape, dtype in m.params:
+            a = arrays.get(name)
+            if a is None:
+                raise RuntimeError(f"{self.art_dir}: weight {name} missing from the shards")
+            if list(a.shape) != list(shape):
+                raise RuntimeError(f"{self.art_dir}: weight {name} has shape {a.shape}, library expects {shape}")
+            self.weights_bytes += a.nbytes
+            out.append(self.tvm.runtime.tensor(np.ascontiguousarray(a), self.dev))
+        return out
+
+    def _alloc_pools(self, num_pages: int, num_slots: int):
+        c = self.cfg
+        n_attn = c["layer_types"].count("full_attention")
+        n_gdn = c["layer_types"].count("linear_attention")
+        dt = self.manifest.kv_dtype
+        self.kv_shape = (num_pages, n_attn, 2, c["num_key_value_heads"], self.page_size, c["head_dim"])
+        conv_dim = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+            c["linear_num_value_heads"] * c["linear_value_head_dim"]
+        self.conv_shape = (num_slots, n_gdn, conv_dim, c["linear_conv_kernel_dim"] - 1)
+        self.ssm_shape = (num_slots, n_gdn, c["linear_num_value_heads"], c["linear_key_head_dim"],
+                          c["linear_value_head_dim"])
+        empty = self.tvm.runtime.empty
+        self.kv_pool = empty(self.kv_shape, dt, self.dev)
+        self.conv_pool = empty(self.conv_shape, dt, self.dev)
+        self.ssm_pool = empty(self.ssm_shape, "float32", self.dev)
+        self._np_kv = self._np_dtype(dt)
+        self.page_bytes = int(np.prod(self.kv_shape[1:])) * self._np_kv.itemsize
+        self.conv_slot_bytes = int(np.prod(self.conv_shape[1:])) * self._np_kv.itemsize
+        self.ssm_slot_bytes = int(np.prod(self.ssm_shape[1:])) * 4
+
+    @staticmethod
+    def _np_dtype(dt: str):
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+
+    # ---- raw views for state movement (host tier, checkpoints) -------------------------------
+    def _view(self, pool, shape_tail, index: int, itemsize: int):
+        nbytes = int(np.prod(shape_tail)) * itemsize
+        return pool._create_view(tuple(shape_tail), pool.dtype, index * nbytes)
+
+    def page_view(self, page: int):
+        return self._view(self.kv_pool, self.kv_shape[1:], page, self._np_kv.itemsize)
+
+    def state_views(self, slot: int):
+        return (self._view(self.conv_pool, self.conv_shape[1:], slot, self._np_kv.itemsize),
+                self._view(self.ssm_pool, self.ssm_shape[1:], slot, 4))
+
+    def read_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        conv, ssm = self.state_views(slot)
+        return conv.numpy(), ssm.numpy()
+
+    def write_state(self, slot: int, conv: np.ndarray, ssm: np.ndarray) -> None:
+        cv, sv = self.state_views(slot)
+        cv.copyfrom(np.ascontiguousarray(conv, dtype=self._np_kv))
+        sv.copyfrom(np.ascontiguousarray(ssm, dtype=np.float32))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        s_conv, s_ssm = self.state_views(src)
+        d_conv, d_ssm = self.state_views(dst)
+        s_conv.copyto(d_conv)
+        s_ssm.copyto(d_ssm)
+
+    def zero_state(self, slot: int) -> None:
+        self.write_state(slot, np.zeros(self.conv_shape[1:], self._np_kv), np.zeros(self.ssm_shape[1:], np.float32))
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return np.stack([self.page_view(p).numpy() for p in pages]) if pages else \
+            np.zeros((0,) + self.kv_shape[1:], self._np_kv)
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        for p, block in zip(pages, data):
+            self.page_view(p).copyfrom(np.ascontiguousarray(block, dtype=self._np_kv))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.page_view(src).copyto(self.page_view(dst))
+
+    # ---- sequences -----------------------------------------------------------------------
+    def new_seq(self) -> SeqKV:
+        slot = self.slots.alloc()
+        if slot is None:
+            raise OutOfPages("no free state slot")
+        self.zero_state(slot)
+        return SeqKV(slot=slot)
+
+    def free_seq(self, seq: SeqKV) -> None:
+        self.pages.release(seq.pages)
+        seq.pages = []
+        self.slots.release(seq.slot)
+
+    def reserve(self, seq: SeqKV, new_tokens: int) -> None:
+        """Make sure seq has pages for length + new_tokens; raises OutOfPages without side effects."""
+        need = self.pages.pages_for(seq.length + new_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages.extend(self.pages.alloc(need))
+
+    # ---- forward -------------------------------------------------------------------------
+    def _check_tokens(self, toks: np.ndarray) -> None:
+        if toks.size and (toks.min() < 0 or toks.max() >= self.vocab_size):
+            raise TokenError(f"token id out of range [0, {self.vocab_size})")
+
+    def _tensor(self, a, dtype="int32"):
+        return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=dtype), self.dev)
+
+    def _page_table(self, seqs: list[SeqKV]) -> np.ndarray:
+        width = max(1, max(len(s.pages) for s in seqs))
+        pt = np.zeros((len(seqs), width), np.int32)
+        for i, s in enumerate(seqs):
+            pt[i, : len(s.pages)] = s.pages
+        return pt
+
+    def prefill(self, batch: list[tuple[SeqKV, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
+        """Run a chunk of tokens for each (seq, tokens); returns per-sequence logits
+        ([V] for the last token, or [len, V] with all_logits)."""
+        batch = [(s, t) for s, t in batch]
+        if not batch or any(len(t) == 0 for _, t in batch):
+            raise ValueError("prefill needs at least one token per sequence")
+        for s, t in batch:
+            self.reserve(s, len(t))
+        toks = np.concatenate([np.asarray(t, np.int32) for _, t in batch])
+        self._check_tokens(toks)
+        lens = [len(t) for _, t in batch]
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        pos = np.concatenate([np.arange(s.length, s.length + len(t)) for s, t in batch]).astype(np.int32)
+        tseq = np.repeat(np.arange(len(batch)), lens).astype(np.int32)
+        rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
+        seqs = [s for s, _ in batch]
+        out = self.vm["prefill"](
+            self._tensor(toks), self._tensor(pos), self._tensor(tseq), self._tensor(cu),
+            self._tensor(self._page_table(seqs)), self._tensor([s.slot for s in seqs]), self._tensor(rows),
+            self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
+        logits = out[0].numpy()
+        for s, t in batch:
+            s.length += len(t)
+        if all_logits:
+            return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
+        return list(logits)
+
+    def decode(self, seqs: list[SeqKV], tokens: list[int]) -> np.ndarray:
+        """One token per sequence; returns logits [B, V]."""
+        for s in seqs:
+            self.reserve(s, 1)
+        toks = np.asarray(tokens, np.int32)
+        self._check_tokens(toks)
+        out = self.vm["decode"](
+            self._tensor(toks), self._tensor([s.length for s in seqs]), self._tensor(self._page_table(seqs)),
+            self._tensor([s.slot for s in seqs]), self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
+        for s in seqs:
+            s.length += 1
+        return out[0].numpy()
