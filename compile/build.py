@@ -66,7 +66,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     """
     from tvm import relax
 
-    model = Qwen3xForCausalLM(cfg, dtype)
+    model = Qwen3xForCausalLM(cfg, dtype, target.kind)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     cache = os.environ.get("NINFER_LIB_CACHE")

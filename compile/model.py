@@ -17,8 +17,7 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import ModelConfig
-from .kernels.attention import paged_attention
-from .kernels.gdn import causal_conv, chunked_delta_rule, recurrent_delta_rule
+from .kernels.registry import kernel_set
 from .kernels.rope import apply_rope
 
 PAGE_SIZE = 64
@@ -62,7 +61,7 @@ class MLP(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, slot: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, slot: int, kernels):
         self.cfg, self.dtype, self.slot = cfg, dtype, slot
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = _linear(cfg.hidden_size, hq * 2 * dh, dtype)
@@ -71,7 +70,7 @@ class GatedAttention(nn.Module):
         self.o_proj = _linear(hq * dh, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
-        self.kernel = paged_attention(hq, hkv, dh, PAGE_SIZE, len(cfg.attn_layers), dtype, dh ** -0.5)
+        self.kernel = kernels.paged_attention(hq, hkv, dh, PAGE_SIZE, len(cfg.attn_layers), dtype, dh ** -0.5)
 
     def forward(self, x, rope, positions, token_seq, page_table, kv_pool):
         cfg = self.cfg
@@ -94,7 +93,7 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, slot: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, slot: int, kernels):
         self.cfg, self.dtype, self.slot = cfg, dtype, slot
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         n_gdn = len(cfg.gdn_layers)
@@ -108,9 +107,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = Weight((dv,), "float32")
         self.out_proj = _linear(cfg.value_dim, cfg.hidden_size, dtype)
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-        self.conv_kernel = causal_conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, n_gdn, dtype)
-        self.chunk_kernel = chunked_delta_rule(hk, hv, dk, dv, n_gdn)
-        self.step_kernel = recurrent_delta_rule(hk, hv, dk, dv, n_gdn)
+        self.conv_kernel = kernels.causal_conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, n_gdn, dtype)
+        self.chunk_kernel = kernels.chunked_delta_rule(hk, hv, dk, dv, n_gdn)
+        self.step_kernel = kernels.recurrent_delta_rule(hk, hv, dk, dv, n_gdn)
 
     def _l2norm(self, x):
         ss = op.sum(x * x, axis=[-1], keepdims=True)
@@ -154,28 +153,28 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, index: int):
+    def __init__(self, cfg: ModelConfig, dtype: str, index: int, kernels):
         self.kind = cfg.layer_types[index]
         if self.kind == "full_attention":
-            self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index))
+            self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index), kernels)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, dtype, cfg.gdn_layers.index(index))
+            self.linear_attn = GatedDeltaNet(cfg, dtype, cfg.gdn_layers.index(index), kernels)
         self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, dtype, i, kernels) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3xForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str):
+    def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm"):
         self.cfg, self.dtype = cfg, dtype
-        self.model = TextModel(cfg, dtype)
+        self.model = TextModel(cfg, dtype, kernel_set(target_kind))
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.rope_inv_freq = nn.Parameter((cfg.rotary_dim // 2,), "float32")

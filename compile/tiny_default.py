@@ -851,7 +851,9 @@ def _tokenizer_config() -> dict:
         "model_max_length": MAX_POS,
         "pad_token": "<|endoftext|>",
         "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
+        # Not Qwen2Tokenizer: transformers 5 rebuilds that class's pipeline with the Qwen2 regex
+        # (no \p{M}); Qwen3_5Tokenizer uses exactly the regex written in tokenizer.json.
+        "tokenizer_class": "Qwen3_5Tokenizer",
         "unk_token": None,
     }
 

@@ -119,8 +119,9 @@ def load_chat_template(model_dir: str | None = None, override: str | None = None
     cfg_path = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.isfile(cfg_path):
         templates.update(_templates_from_value(_read_json(cfg_path).get("chat_template")))
-    if not templates and os.path.isfile(os.path.join(model_dir, "chat_template.json")):
-        templates.update(_templates_from_value(_read_json(os.path.join(model_dir, "chat_template.json")).get("chat_template")))
+    legacy_path = os.path.join(model_dir, "chat_template.json")
+    if not templates and os.path.isfile(legacy_path):
+        templates.update(_templates_from_value(_read_json(legacy_path).get("chat_template")))
     jinja_path = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:

@@ -460,7 +460,7 @@ class ToolCallStreamDecoder:
         """Text fed but not yet emitted as content or as a call."""
         if self._region is None:
             return self._pre
-        return "".join(self._region)[self._next:] if self._emitted else "".join(self._region)
+        return "".join(self._region)[self._next:]
 
     @property
     def holding(self) -> bool:

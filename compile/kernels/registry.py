@@ -1,0 +1,25 @@
+"""Pick kernel factories per target and KV dtype.
+
+Every factory of a set has the same signature and buffer contract as the portable (llvm) one in
+attention.py / gdn.py, so the model definition never changes with the target.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from . import attention, gdn
+
+
+def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> SimpleNamespace:
+    if target_kind == "cuda":
+        from .cuda import registry as cuda_registry
+
+        return cuda_registry.kernel_set(kv_dtype)
+    if target_kind != "llvm":
+        raise ValueError(f"no kernels for target kind {target_kind!r}")
+    return SimpleNamespace(
+        paged_attention=attention.paged_attention,
+        causal_conv=gdn.causal_conv,
+        chunked_delta_rule=gdn.chunked_delta_rule,
+        recurrent_delta_rule=gdn.recurrent_delta_rule,
+    )
