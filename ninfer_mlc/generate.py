@@ -5,17 +5,32 @@ from pathlib import Path
 
 from .chat_template import ChatTemplate
 from .runtime.engine import Engine, EngineOptions, GenRequest
+from .runtime.host_tier import HostTier
 from .runtime.model_runner import ModelRunner
+from .runtime.prefix_cache import PrefixCache
 from .runtime.sampling import SamplingParams
+from .runtime.tiered_kv import TieredKV
 from .runtime.tokenizer import eos_token_ids, load_tokenizer
 
+TURN_OPENER = "<|im_start|>assistant"
 
-def open_engine(art_dir: str | Path, options: EngineOptions | None = None, **runner_kw) -> Engine:
+
+def open_engine(art_dir: str | Path, options: EngineOptions | None = None, meminfo_reader=None,
+                **runner_kw) -> Engine:
+    """Runner + tiered KV + engine for an artifact, started."""
     options = options or EngineOptions()
-    runner = ModelRunner(art_dir, num_slots=options.max_concurrency, **runner_kw)
+    options.validate()
+    runner = ModelRunner(art_dir, num_slots=options.device_slots, **runner_kw)
     options.max_context = min(options.max_context, runner.manifest.max_context)
     tok = load_tokenizer(art_dir)
-    eng = Engine(runner, tok, options, eos_token_ids(art_dir, tok, runner.cfg))
+    if options.prefix_reuse:
+        host = HostTier(runner, options.host_kv_mib, options.host_state_slots, options.host_ram_reserve_mib,
+                        meminfo_reader=meminfo_reader) if options.host_kv_mib > 0 else None
+        kv = TieredKV(runner, PrefixCache(options.max_cache_entries), host)
+    else:
+        kv = TieredKV(runner, None, None)
+    opener = tok.encode(TURN_OPENER, add_special_tokens=False).ids if tok.token_to_id("<|im_start|>") is not None else []
+    eng = Engine(runner, tok, options, eos_token_ids(art_dir, tok, runner.cfg), kv=kv, turn_opener=opener)
     eng.start()
     return eng
 

@@ -12,15 +12,17 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_pages import OutOfPages
 from .model_runner import ModelRunner, SeqKV
+from .prefix_cache import identity_seed
 from .sampling import RowState, Sampler, SamplingParams
 from .stop_strings import StopStringMatcher
+from .tiered_kv import TieredKV
 
 
 class EngineError(RuntimeError):
@@ -54,6 +56,13 @@ class EngineOptions:
     prefill_chunk: int = 512
     max_context: int = 8192
     default_max_tokens: int = 8192
+    # tiered KV / prefix reuse
+    prefix_reuse: bool = True
+    device_state_slots: Optional[int] = None  # extra device slots for cached states (default = max_concurrency)
+    host_kv_mib: float = 1024
+    host_state_slots: int = 8
+    host_ram_reserve_mib: float = 2048
+    max_cache_entries: int = 64
 
     def validate(self) -> None:
         if not 1 <= self.max_concurrency <= 8:
@@ -66,6 +75,15 @@ class EngineOptions:
             raise ValueError("--prefill-chunk must be >= 1")
         if self.max_context < 2:
             raise ValueError("--max-context must be >= 2")
+        if self.device_state_slots is not None and self.device_state_slots < 0:
+            raise ValueError("--device-state-slots must be >= 0")
+        if self.host_kv_mib < 0 or self.host_state_slots < 0 or self.host_ram_reserve_mib < 0:
+            raise ValueError("--host-kv-mib, --host-state-slots and --host-ram-reserve-mib must be >= 0")
+
+    @property
+    def device_slots(self) -> int:
+        extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
+        return self.max_concurrency + (extra if self.prefix_reuse else 0)
 
 
 # ---- events ------------------------------------------------------------------------------
@@ -92,6 +110,7 @@ class GenRequest:
     request_id: str = ""
     session_key: Optional[str] = None
     skip_special_tokens: bool = True
+    cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
 
 
 class RequestHandle:
@@ -177,6 +196,13 @@ class _Active:
         self.cached_tokens = 0
         self.pending_token: Optional[int] = None  # sampled, not yet fed to decode
         self.preemptions = 0
+        self.identity = identity_seed(req.cache_mode)
+        self.ckpt_at: Optional[int] = None
+
+    def fed_tokens(self) -> list[int]:
+        """Prompt + generated tokens whose KV/state the sequence holds (or must hold)."""
+        unfed = 1 if self.pending_token is not None else 0
+        return list(self.req.prompt_ids) + self.generated[: len(self.generated) - unfed]
 
     @property
     def decoding(self) -> bool:
@@ -185,9 +211,11 @@ class _Active:
 
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, eos_ids: list[int],
-                 on_release: Optional[Callable[[Any], None]] = None):
+                 kv: Optional[TieredKV] = None, turn_opener: Optional[list[int]] = None):
         options.validate()
         self.runner, self.tok, self.opt = runner, tokenizer, options
+        self.kv = kv or TieredKV(runner, None, None)
+        self.turn_opener = list(turn_opener or [])
         self.eos_ids = set(eos_ids)
         self.sampler = Sampler()
         self._ids = itertools.count(1)
@@ -316,17 +344,25 @@ class Engine:
                 if not self._pending:
                     return
                 a = self._pending[0]
-            need = self.runner.pages.pages_for(len(a.feed) + 1)
-            if self.runner.slots.free_slots == 0 or (need > self.runner.pages.free_pages and self._active):
-                return  # wait for running requests to release memory
+            need = self.runner.pages.pages_for(len(a.req.prompt_ids) + 1)
             if need > self.runner.pages.num_pages:
                 with self._lock:
                     self._pending.popleft()
                 a.handle._admit(ContextTooLong(f"prompt needs {need} KV pages; the pool has {self.runner.pages.num_pages}"))
                 continue
+            if not self.kv.make_room(slots=1):
+                return  # wait for running requests to release a state slot
             with self._lock:
                 self._pending.popleft()
-            a.seq = self.runner.new_seq()
+            history = a.fed_tokens()
+            resumed = a.pending_token is not None
+            a.seq = self.kv.acquire(history, a.identity, a.req.session_key,
+                                    max_reuse=len(history) if resumed else len(history) - 1)
+            a.feed = history[a.seq.length:]
+            if not a.t_admit:
+                a.cached_tokens = a.seq.length
+                b = self._turn_boundary(a.req.prompt_ids)
+                a.ckpt_at = b if b is not None and a.seq.length < b < len(a.req.prompt_ids) else None
             if not a.t_admit:
                 a.t_admit = time.monotonic()
                 q_ms = (a.t_admit - a.t_submit) * 1000
@@ -335,13 +371,26 @@ class Engine:
                 a.handle._admit(None)
             self._active[a.rid] = a
 
+    def _turn_boundary(self, prompt: list[int]) -> Optional[int]:
+        """Index of the last assistant-turn opener: the checkpoint position for the next turn."""
+        k = len(self.turn_opener)
+        if not k:
+            return None
+        for i in range(len(prompt) - k, -1, -1):
+            if prompt[i:i + k] == self.turn_opener:
+                return i
+        return None
+
     def _prefill_step(self) -> None:
         budget = self.opt.prefill_chunk
         batch: list[tuple[_Active, list[int]]] = []
         for a in list(self._active.values()):
             if not a.feed or budget <= 0 or a.rid not in self._active:
                 continue
-            take = a.feed[:budget]
+            limit = budget
+            if a.ckpt_at is not None and a.seq.length < a.ckpt_at:
+                limit = min(limit, a.ckpt_at - a.seq.length)  # stop exactly at the turn boundary
+            take = a.feed[:limit]
             if not self._reserve(a, len(take), protect={b.rid for b, _ in batch}):
                 continue
             batch.append((a, take))
@@ -355,6 +404,9 @@ class Engine:
             a.feed = a.feed[len(take):]
             a.prompt_computed += len(take)
             self.stats["computed_prefill_tokens"] += len(take)
+            if a.ckpt_at is not None and a.seq.length == a.ckpt_at:
+                self.kv.checkpoint(a.seq, a.req.prompt_ids, a.identity, a.req.session_key)
+                a.ckpt_at = None
             if not a.feed and a.pending_token is None:  # a resumed request already holds its next token
                 a.t_prefill_done = a.t_prefill_done or time.monotonic()
                 done_rows.append(lg)
@@ -385,19 +437,20 @@ class Engine:
                 self.runner.reserve(a.seq, n)
                 return True
             except OutOfPages:
+                need = self.runner.pages.pages_for(a.seq.length + n) - len(a.seq.pages)
+                if self.kv.make_room(pages=need):
+                    continue
                 victims = [v for v in self._active.values() if v is not a and v.rid not in protect]
                 if not victims:
                     return False
                 self._preempt(max(victims, key=lambda v: v.t_admit))
 
     def _preempt(self, v: _Active) -> None:
-        """Send v back to the head of the queue; it recomputes prompt + generated tokens when
-        readmitted (the tiered KV store replaces this with a spill to host)."""
-        self.runner.free_seq(v.seq)
+        """Send v back to the head of the queue. Its sequence is released like a finished one
+        (kept as a cache entry, spilled to host under pressure), so readmission restores it
+        instead of recomputing whenever the entry survives."""
+        self.kv.release(v.seq, v.fed_tokens(), v.identity, v.req.session_key)
         v.seq = None
-        # a sampled-but-unfed token stays pending; everything before it is recomputed
-        unfed = 1 if v.pending_token is not None else 0
-        v.feed = list(v.req.prompt_ids) + v.generated[: len(v.generated) - unfed]
         v.preemptions += 1
         self.stats["preemptions"] += 1
         del self._active[v.rid]
@@ -439,7 +492,7 @@ class Engine:
     def _finish(self, a: _Active, reason: str, stop_matched: Optional[str] = None, error: Optional[str] = None) -> None:
         self._active.pop(a.rid, None)
         if a.seq is not None:
-            self.runner.free_seq(a.seq)
+            self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key)
             a.seq = None
         if not a.handle.admitted.is_set():
             a.handle._admit(None)

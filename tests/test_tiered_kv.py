@@ -1,0 +1,197 @@
+"""Tiered KV and prefix reuse on the embedded tiny model.
+
+The multi-agent simulation runs 8 agents with growing histories and side requests through an
+engine whose device KV holds a fraction of the total demand. It asserts that every cached turn
+is reused (never re-prefilled) while the host tier has room, that nothing is lost, and that the
+outputs are token-identical to a run with ample device memory (demote/restore is exact).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from ninfer_mlc.chat_template import ChatTemplate
+from ninfer_mlc.generate import open_engine
+from ninfer_mlc.paths import default_model_dir
+from ninfer_mlc.runtime.engine import EngineOptions, Finished, GenRequest
+from ninfer_mlc.runtime.host_tier import HostTier
+from ninfer_mlc.runtime.model_runner import ModelRunner
+from ninfer_mlc.runtime.prefix_cache import PrefixCache, identity_seed
+from ninfer_mlc.runtime.sampling import SamplingParams
+from ninfer_mlc.runtime.tiered_kv import TieredKV
+
+ART = default_model_dir()
+PLENTY = lambda: 64 * 2**30  # noqa: E731  (MemAvailable seen by the host tier)
+
+WORDS = ("alpha beta gamma delta parse file read write module class def return import json value test "
+         "function error stack trace build compile kernel page cache state slot host device").split()
+
+
+def _user_text(rng: np.random.Generator, n: int) -> str:
+    return " ".join(rng.choice(WORDS, size=n))
+
+
+def run_simulation(kv_tokens: int, device_state_slots: int, host_kv_mib: float, agents: int = 8, turns: int = 4):
+    opts = EngineOptions(max_concurrency=1, prefill_chunk=96, max_context=4096, default_max_tokens=24,
+                         device_state_slots=device_state_slots, host_kv_mib=host_kv_mib, host_state_slots=4,
+                         host_ram_reserve_mib=0, max_cache_entries=256)
+    eng = open_engine(ART, opts, kv_capacity_tokens=kv_tokens, meminfo_reader=PLENTY)
+    tmpl = ChatTemplate.from_model_dir(str(ART))
+    rng = np.random.default_rng(7)
+    histories = [[{"role": "system", "content": f"You are agent {i}. " + _user_text(rng, 40)}] for i in range(agents)]
+    records = []
+    try:
+        for turn in range(turns):
+            for i in range(agents):
+                histories[i].append({"role": "user", "content": _user_text(rng, 30 + 10 * turn)})
+                text = tmpl.render(histories[i], preserve_thinking=False, enable_thinking=True)
+                ids = eng.tok.encode(text, add_special_tokens=False).ids
+                h = eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                          session_key=f"agent-{i}", cache_mode="think"))
+                evs = list(h.iter_sync(timeout=300))
+                fin = evs[-1]
+                assert isinstance(fin, Finished) and fin.reason == "length", fin
+                out = "".join(e.text for e in evs[:-1])
+                records.append({"agent": i, "turn": turn, "prompt": ids, "out": out, "usage": fin.usage,
+                                "timings": fin.timings})
+                # the client keeps the answer but drops its reasoning for the next turn
+                histories[i].append({"role": "assistant", "reasoning_content": out, "content": f"done {turn}"})
+                if i % 3 == 0:  # a side request (e.g. title generation) that shares no history
+                    side = eng.tok.encode(tmpl.render([{"role": "user", "content": "title: " + _user_text(rng, 8)}]),
+                                          add_special_tokens=False).ids
+                    hs = eng.submit(GenRequest(side, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+                    assert list(hs.iter_sync(timeout=120))[-1].reason == "length"
+        snap = {"engine": eng.snapshot(), "kv": dict(eng.kv.stats), "cache": eng.kv.cache.summary(),
+                "host": eng.kv.host.arena.stats() if eng.kv.host else None,
+                "transfers": dict(eng.kv.host.stats) if eng.kv.host else None}
+    finally:
+        eng.stop()
+    return records, snap
+
+
+def _opener_index(prompt: list[int], opener: list[int]) -> int:
+    for i in range(len(prompt) - len(opener), -1, -1):
+        if prompt[i:i + len(opener)] == opener:
+            return i
+    raise AssertionError("no assistant opener in prompt")
+
+
+@pytest.fixture(scope="module")
+def simulations():
+    tight = run_simulation(kv_tokens=1024, device_state_slots=1, host_kv_mib=64)
+    ample = run_simulation(kv_tokens=32768, device_state_slots=160, host_kv_mib=64)
+    return tight, ample
+
+
+def test_device_capacity_is_far_below_demand(simulations):
+    (records, snap), _ = simulations
+    per_agent_final = {}
+    for r in records:
+        per_agent_final[r["agent"]] = len(r["prompt"])
+    assert sum(per_agent_final.values()) > 3 * 1024
+    assert snap["kv"]["private_owners_demoted"] > 0
+    assert snap["kv"]["restores_host"] > 0
+
+
+def test_cached_turns_are_never_reprefilled(simulations):
+    (records, snap), _ = simulations
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(ART / "tokenizer.json"))
+    opener = tok.encode("<|im_start|>assistant", add_special_tokens=False).ids
+    prev = {}
+    for r in records:
+        if r["agent"] in prev:
+            boundary = _opener_index(prev[r["agent"]], opener)
+            assert r["usage"]["cached_tokens"] >= boundary, (r["agent"], r["turn"])
+            # only the new part of the conversation was computed
+            assert r["timings"]["prompt_n"] == len(r["prompt"]) - r["usage"]["cached_tokens"]
+        prev[r["agent"]] = r["prompt"]
+    assert snap["cache"]["checkpoint_hits"] >= 8 * 3
+
+
+def test_restored_sequences_continue_exactly(simulations):
+    (tight, tsnap), (ample, asnap) = simulations
+    assert asnap["kv"]["private_owners_demoted"] == 0  # the reference never left the device
+    assert [r["out"] for r in tight] == [r["out"] for r in ample]
+    assert [r["usage"]["cached_tokens"] for r in tight] == [r["usage"]["cached_tokens"] for r in ample]
+
+
+def test_host_tier_reports_fragmentation_figures(simulations):
+    (_, snap), _ = simulations
+    host = snap["host"]
+    for key in ("capacity_bytes", "free_bytes", "largest_free_run_bytes", "fragmented_misses", "grows"):
+        assert key in host
+    assert snap["transfers"]["kv_d2h_pages"] > 0 and snap["transfers"]["kv_h2d_pages"] > 0
+    print("\nsimulation figures:", {"cache": snap["cache"], "kv": snap["kv"], "host": {
+        k: host[k] for k in ("capacity_bytes", "free_bytes", "largest_free_run_bytes", "fragmented_misses",
+                             "grows", "scatter_allocations")}})
+
+
+def test_no_space_on_host_falls_back_to_eviction():
+    records, snap = run_simulation(kv_tokens=1024, device_state_slots=1, host_kv_mib=0, agents=4, turns=2)
+    assert all(r["usage"]["completion_tokens"] == 24 for r in records)
+    assert snap["kv"]["private_owners_evicted"] > 0
+
+
+# ---- the seal-window race -------------------------------------------------------------------
+def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
+    runner = ModelRunner(ART, kv_capacity_tokens=1024, num_slots=4)
+    host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
+    cache = PrefixCache()
+    kv = TieredKV(runner, cache, host)
+    seed = identity_seed("x")
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 1900, size=150).tolist()
+
+    ref = runner.new_seq()  # reference: uninterrupted
+    runner.prefill([(ref, toks[:100])])
+    want = runner.decode([ref], [toks[100]])[0]
+    runner.free_seq(ref)
+
+    s = runner.new_seq()
+    runner.prefill([(s, toks[:100])])
+    kv.release(s, toks[:100], seed, "sess")  # becomes a device frontier entry
+    entry = next(iter(cache.entries.values()))
+
+    real_lookup = cache.lookup
+    moved = threading.Event()
+
+    def racing_lookup(*a, **k):
+        m = real_lookup(*a, **k)
+        if not moved.is_set():  # a concurrent planner demotes the entry right after the assessment
+            t = threading.Thread(target=lambda: (kv.demote(entry), moved.set()))
+            t.start()
+            t.join()
+        return m
+
+    cache.lookup = racing_lookup
+    seq = kv.acquire(toks[:120], seed, "sess", max_reuse=119)
+    cache.lookup = real_lookup
+    assert moved.is_set() and entry.tier == "host"
+    assert cache.stats["claim_conflicts"] == 1
+    assert seq.length == 100 and kv.stats["restores_host"] == 1
+    got = runner.decode([seq], [toks[100]])[0]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_claimed_entry_cannot_be_moved():
+    cache = PrefixCache()
+    e = cache.add("frontier", [1, 2, 3], 0, None, slot=0, pages=[0])
+    m = cache.lookup([1, 2, 3, 4], 0)
+    assert m is not None and cache.claim(m)
+    assert not cache.begin_move(e)
+    cache.release_claim(e)
+    assert cache.begin_move(e)
+    assert not cache.claim(m)  # the move invalidated the old assessment
+
+
+def test_lookup_needs_exact_identity_even_with_session_key():
+    cache = PrefixCache()
+    cache.add("frontier", [5, 6, 7], identity_seed("think"), "s1", slot=0, pages=[])
+    assert cache.lookup([5, 6, 7, 8], identity_seed("nothink"), "s1") is None
+    assert cache.lookup([5, 6, 9, 8], identity_seed("think"), "s1") is None
+    m = cache.lookup([5, 6, 7, 8], identity_seed("think"), "other-session")
+    assert m is not None and m.length == 3
