@@ -14,12 +14,15 @@ import numpy as np
 from ..runtime import safetensors_io
 from ..runtime.artifact import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
-from .convert import hf_to_params
+from .convert import checkpoint_has_mtp, hf_to_params
 from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
 from .targets import TargetSpec, cuda_build_env, parse_target
 
 QUANT_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+# --kv-dtype -> manifest kv_dtype. fp8: E4M3 + per-(token, head) E8M0 scale; nvfp4: E2M1 + E4M3 per 16
+# (layouts in compile/kernels/attention_quant.py). Default: the model dtype.
+KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 SHARD_BYTES = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json", "config.json")
@@ -46,19 +49,23 @@ def rope_tables_for(cfg: ModelConfig, overrides: dict) -> tuple[np.ndarray, floa
     return inv_freq, float(factor), info
 
 
-def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec) -> str:
-    """Libraries depend only on geometry, dtype, target, TVM and our compiler sources."""
+def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool,
+               mtp: bool = False) -> str:
+    """Libraries depend only on geometry, dtypes, KV rotation, target, TVM and our compiler sources."""
     import tvm
 
     h = hashlib.sha256()
     geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    h.update(json.dumps([geo, dtype, target.name, tvm.__version__], sort_keys=True).encode())
+    h.update(json.dumps([geo, dtype, kv_dtype, kv_hadamard, target.name, tvm.__version__], sort_keys=True).encode())
+    if mtp:  # the MTP head is compiled only when the checkpoint has it
+        h.update(b"mtp")
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
     return h.hexdigest()[:24]
 
 
-def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path) -> list:
+def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
+                  kv_hadamard: bool = False, mtp: bool = False) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
@@ -66,11 +73,12 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     """
     from tvm import relax
 
-    model = Qwen3xForCausalLM(cfg, dtype, target.kind)
+    kv_dtype = kv_dtype or dtype
+    model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     cache = os.environ.get("NINFER_LIB_CACHE")
-    cached = Path(cache) / f"{_cache_key(cfg, dtype, target)}.so" if cache else None
+    cached = Path(cache) / f"{_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp)}.so" if cache else None
     if cached is not None and cached.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(cached, lib_path)
@@ -114,13 +122,22 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
-                  log=print) -> Path:
+                  kv_dtype: str | None = None, kv_hadamard: bool = False, log=print) -> Path:
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     tspec = parse_target(target)
     if quant not in QUANT_DTYPES:
         raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_DTYPES)}")
     dtype = QUANT_DTYPES[quant]
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"--kv-dtype {kv_dtype!r} is not supported; use one of {sorted(KV_DTYPES)}")
+    kv = KV_DTYPES[kv_dtype] if kv_dtype else dtype
+    if kv == "nvfp4" and cfg.head_dim % 16:
+        raise ConfigError(f"--kv-dtype nvfp4 needs head_dim % 16 == 0 (head_dim is {cfg.head_dim})")
+    if kv != dtype and tspec.kind != "llvm":  # the CUDA kernels keep pages in the activation dtype so far
+        raise ConfigError(f"--kv-dtype {kv_dtype} is only implemented for --target llvm so far")
+    if kv_hadamard and cfg.head_dim & (cfg.head_dim - 1):
+        raise ConfigError(f"--kv-hadamard needs a power-of-two head_dim (head_dim is {cfg.head_dim})")
     inv_freq, factor, rope_info = rope_tables_for(cfg, rope_overrides or {})
     limit = rope_info["max_context"]
     max_context = int(max_context or min(limit, cfg.max_position_embeddings))
@@ -137,7 +154,10 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
 
     t0 = time.time()
     lib_rel = f"{name}.so"
-    specs = build_library(cfg, dtype, tspec, out / lib_rel)
+    # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
+    mtp = cfg.mtp_num_hidden_layers >= 1 and checkpoint_has_mtp(
+        n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0])
+    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -153,9 +173,9 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     import tvm
 
     write_manifest(out, Manifest(
-        name=name, config=cfg.to_dict(), target=tspec.name, dtype=dtype, kv_dtype=dtype, page_size=PAGE_SIZE,
+        name=name, config=cfg.to_dict(), target=tspec.name, dtype=dtype, kv_dtype=kv, page_size=PAGE_SIZE,
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
-        tvm_version=tvm.__version__, rope=rope_info,
+        tvm_version=tvm.__version__, rope=rope_info, extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp)},
     ))
     log(f"wrote {out}")
     return out

@@ -3,7 +3,8 @@
 What changes on the way: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba are split into the
 Qwen3.5 layout (one model definition serves both); conv1d weights drop their singleton axis;
 zero-centred RMSNorm weights get the +1 folded in (not linear_attn.norm, which is a plain scale);
-VLM prefixes are stripped; dtypes are set per parameter; the rope frequency table is added.
+VLM prefixes are stripped; mtp.* weights (the MTP head) keep their names and are used when the model
+compiles the head; dtypes are set per parameter; the rope frequency table is added.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .config import ModelConfig
 
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_\w+)\.weight$"
                            r"|^model\.norm\.weight$|^mtp\.norm\.weight$")
-_IGNORED = re.compile(r"^(model\.visual\.|visual\.|mtp\.)")
+_IGNORED = re.compile(r"^(model\.visual\.|visual\.)")  # mtp.* flows through when the model compiles the head
 
 
 class ConversionError(ValueError):
@@ -29,6 +30,11 @@ def _canonical_name(name: str) -> str:
         if name.startswith(pre):
             return repl + name[len(pre):]
     return name
+
+
+def checkpoint_has_mtp(names: Iterable[str]) -> bool:
+    """True when a checkpoint carries the MTP head's weights (vLLM names, mtp.fc.weight ...)."""
+    return any(_canonical_name(n).startswith("mtp.fc.") for n in names)
 
 
 def _split_next_qkvz(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -6,18 +6,29 @@ Exported functions (all KV and recurrent state is runtime-owned and updated in p
       ragged chunk of tokens for one or more sequences; GDN uses the chunked (64) form.
   decode(tokens[b], positions[b], page_table[b,p], slot_ids[b], kv_pool, conv_pool, ssm_pool)
       -> (logits[b,V] f32, ...) one token per sequence; GDN uses the recurrent step.
+Speculative decoding (final hidden states are post-norm, fp32):
+  prefill_h(same as prefill) -> (logits[r,V], hidden[n,D], pools...)
+  verify(tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, pools...) -> (logits[n,V], hidden[n,D], pools...)
+  with the MTP head (mtp=True; mtp_kv_pool [num_pages, 1, 2, kv_heads, 64, head_dim], the main page tables):
+  mtp_step(hidden[n,D], next_tokens[n], positions[n], token_seq[n], page_table, mtp_kv_pool)
+      -> (logits[n,V], hidden_out[n,D], mtp_kv_pool)
+  mtp_prefill(..., logit_rows[r], mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
+  mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
 
 Parameter names follow transformers (model.layers.{i}.linear_attn.in_proj_qkv.weight ...), but
 zero-centred norm weights carry the folded +1 (compile/convert.py does it).
 """
 from __future__ import annotations
 
+import numpy as np
 from tvm import tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import ModelConfig
+from .kernels.attention_quant import kv_pool_layout
 from .kernels.registry import kernel_set
+from .nvfp4 import hadamard_matrix
 from .kernels.rope import apply_rope
 
 PAGE_SIZE = 64
@@ -60,9 +71,17 @@ class MLP(nn.Module):
         return self.down_proj(op.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _hadamard(x: nn.Tensor, dim: int) -> nn.Tensor:
+    """Normalised Walsh-Hadamard over the last axis (fp32 matmul with the symmetric H)."""
+    h = nn.Tensor.from_const(hadamard_matrix(dim).astype(np.float32))
+    return op.matmul(x.astype("float32"), h).astype(x.dtype)
+
+
 class GatedAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, slot: int, kernels):
-        self.cfg, self.dtype, self.slot = cfg, dtype, slot
+    def __init__(self, cfg: ModelConfig, dtype: str, slot: int, kernels, kv_hadamard: bool = False,
+                 n_layers: int | None = None):
+        """n_layers: layers of the KV pool this attention writes into (None = the main model's)."""
+        self.cfg, self.dtype, self.slot, self.kv_hadamard = cfg, dtype, slot, kv_hadamard
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = _linear(cfg.hidden_size, hq * 2 * dh, dtype)
         self.k_proj = _linear(cfg.hidden_size, hkv * dh, dtype)
@@ -70,7 +89,8 @@ class GatedAttention(nn.Module):
         self.o_proj = _linear(hq * dh, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
-        self.kernel = kernels.paged_attention(hq, hkv, dh, PAGE_SIZE, len(cfg.attn_layers), dtype, dh ** -0.5)
+        self.kernel = kernels.paged_attention(hq, hkv, dh, PAGE_SIZE, n_layers or len(cfg.attn_layers), dtype,
+                                              dh ** -0.5)
 
     def forward(self, x, rope, positions, token_seq, page_table, kv_pool):
         cfg = self.cfg
@@ -83,6 +103,8 @@ class GatedAttention(nn.Module):
         inv_freq, factor = rope
         q = apply_rope(self.q_norm(q), positions, inv_freq, factor, cfg.rotary_dim, "rope_q")
         k = apply_rope(self.k_norm(k), positions, inv_freq, factor, cfg.rotary_dim, "rope_k")
+        if self.kv_hadamard:  # rotate Q and K after RoPE (QK^T unchanged); V stays unrotated
+            q, k = _hadamard(q, dh), _hadamard(k, dh)
         kv_pool, o = op.tensor_ir_inplace_op(
             self.kernel, "paged_attention",
             [q, k, v, positions, token_seq, page_table, kv_pool, _i32(self.slot)],
@@ -153,10 +175,10 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, index: int, kernels):
+    def __init__(self, cfg: ModelConfig, dtype: str, index: int, kernels, kv_hadamard: bool = False):
         self.kind = cfg.layer_types[index]
         if self.kind == "full_attention":
-            self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index), kernels)
+            self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index), kernels, kv_hadamard)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, cfg.gdn_layers.index(index), kernels)
         self.mlp = MLP(cfg, dtype)
@@ -165,20 +187,53 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, kernels):
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool = False):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, dtype, i, kernels) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, dtype, i, kernels, kv_hadamard)
+                                     for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class MTPLayer(nn.Module):
+    """The MTP head's decoder layer: always full attention, writing its own one-layer KV pool."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool = False):
+        self.self_attn = GatedAttention(cfg, dtype, 0, kernels, kv_hadamard, n_layers=1)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPHead(nn.Module):
+    """Multi-token prediction head (vLLM's Qwen3_5MultiTokenPredictor; parameters under mtp.*):
+    x = fc([norm_e(embed(next token)); norm_h(h)]), one full-attention layer, mtp.norm, shared lm_head."""
+
+    def __init__(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool = False):
+        d = cfg.hidden_size
+        self.fc = _linear(2 * d, d, dtype)
+        self.pre_fc_norm_embedding = RMSNorm(d, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(d, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([MTPLayer(cfg, dtype, kernels, kv_hadamard)])
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+
+
 class Qwen3xForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm"):
+    def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm", kv_dtype: str | None = None,
+                 kv_hadamard: bool = False, mtp: bool = False):
+        """kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
+        kv_hadamard: rotate Q and K by a normalised Walsh-Hadamard after RoPE.
+        mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl)."""
         self.cfg, self.dtype = cfg, dtype
-        self.model = TextModel(cfg, dtype, kernel_set(target_kind))
+        self.kv_dtype = kv_dtype or dtype
+        kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
+        self.model = TextModel(cfg, dtype, kernels, kv_hadamard)
         if not cfg.tie_word_embeddings:
             self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.rope_inv_freq = nn.Parameter((cfg.rotary_dim // 2,), "float32")
         self.rope_attn_factor = nn.Parameter((1,), "float32")
+        self.has_mtp = bool(mtp)
+        if self.has_mtp:
+            self.mtp = MTPHead(cfg, dtype, kernels, kv_hadamard)
 
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
               kv_pool, conv_pool, ssm_pool, recurrent: bool):
@@ -218,12 +273,71 @@ class Qwen3xForCausalLM(nn.Module):
             x, positions, rows, cu, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, True)
         return self._logits(x), kv_pool, conv_pool, ssm_pool
 
+    # ---- speculative decoding: post-norm hidden states, multi-token verification, MTP head --------
+    def _head(self, hn):
+        """Shared lm_head on already-normalised hidden states -> fp32 logits."""
+        if self.cfg.tie_word_embeddings:
+            logits = op.matmul(hn, op.permute_dims(self.model.embed_tokens.weight))
+        else:
+            logits = self.lm_head(hn)
+        return logits.astype("float32")
+
+    def prefill_h(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
+                  kv_pool, conv_pool, ssm_pool):
+        """prefill, plus the final post-norm hidden state of every row (fp32 [n, D])."""
+        x = self.model.embed_tokens(tokens)
+        x, kv_pool, conv_pool, ssm_pool = self._body(
+            x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+        hn = self.model.norm(x)
+        logits = self._head(op.take(hn, logit_rows, axis=0))
+        return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+
+    def verify(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
+        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row."""
+        x = self.model.embed_tokens(tokens)
+        x, kv_pool, conv_pool, ssm_pool = self._body(
+            x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+        hn = self.model.norm(x)
+        return self._head(hn), hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+
+    def _mtp(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
+        """MTP rows: row i pairs the main hidden h at positions[i] with the token at positions[i] + 1;
+        its K/V go to mtp_kv_pool at positions[i]. Returns mtp.norm(x) (logits input and next hidden)."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.model.embed_tokens(next_tokens))
+        h = m.pre_fc_norm_hidden(hidden.astype(self.dtype))
+        x = m.fc(op.concat([e, h], dim=-1))
+        layer = m.layers[0]
+        rope = (self.rope_inv_freq, self.rope_attn_factor)
+        a, mtp_kv_pool = layer.self_attn(layer.input_layernorm(x), rope, positions, token_seq, page_table, mtp_kv_pool)
+        x = x + a
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return m.norm(x), mtp_kv_pool
+
+    def mtp_step(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
+        hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+        return self._head(hn), hn.astype("float32"), mtp_kv_pool
+
+    def mtp_prefill(self, hidden, next_tokens, positions, token_seq, page_table, logit_rows, mtp_kv_pool):
+        """mtp_step over many rows (prompt fill / accepted rows) with logits + hidden only at logit_rows."""
+        hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+        hr = op.take(hn, logit_rows, axis=0)
+        return self._head(hr), hr.astype("float32"), mtp_kv_pool
+
+    def mtp_step_sl(self, hidden, next_tokens, positions, token_seq, page_table, shortlist, mtp_kv_pool):
+        """mtp_step with a shortlisted proposal head: logits [n, m] for the token ids in shortlist."""
+        hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        logits = op.matmul(hn, op.permute_dims(op.take(w, shortlist, axis=0)))
+        return logits.astype("float32"), hn.astype("float32"), mtp_kv_pool
+
     # ------------------------------------------------------------------------------------
     def pool_specs(self) -> dict:
         cfg = self.cfg
+        kv_dt, row = kv_pool_layout(self.kv_dtype, cfg.head_dim)
         return {
             "kv_pool": nn.spec.Tensor(
-                ["num_pages", len(cfg.attn_layers), 2, cfg.num_key_value_heads, PAGE_SIZE, cfg.head_dim], self.dtype),
+                ["num_pages", len(cfg.attn_layers), 2, cfg.num_key_value_heads, PAGE_SIZE, row], kv_dt),
             "conv_pool": nn.spec.Tensor(
                 ["num_slots", len(cfg.gdn_layers), cfg.conv_dim, cfg.linear_conv_kernel_dim - 1], self.dtype),
             "ssm_pool": nn.spec.Tensor(
@@ -255,5 +369,41 @@ class Qwen3xForCausalLM(nn.Module):
                 **pools,
                 "$": mode,
             },
+            **self._spec_export_spec(pools, mode),
         }
+
+    def mtp_pool_spec(self):
+        cfg = self.cfg
+        kv_dt, row = kv_pool_layout(self.kv_dtype, cfg.head_dim)
+        return nn.spec.Tensor(["num_pages", 1, 2, cfg.num_key_value_heads, PAGE_SIZE, row], kv_dt)
+
+    def _spec_export_spec(self, pools: dict, mode: dict) -> dict:
+        """prefill_h / verify always; the MTP functions when the head is compiled."""
+        i32 = "int32"
+        ragged = {
+            "tokens": nn.spec.Tensor(["n"], i32),
+            "positions": nn.spec.Tensor(["n"], i32),
+            "token_seq": nn.spec.Tensor(["n"], i32),
+            "cu_seqlens": nn.spec.Tensor(["bp1"], i32),
+            "page_table": nn.spec.Tensor(["b", "p"], i32),
+            "slot_ids": nn.spec.Tensor(["b"], i32),
+        }
+        out = {
+            "prefill_h": {**ragged, "logit_rows": nn.spec.Tensor(["r"], i32), **pools, "$": mode},
+            "verify": {**ragged, **pools, "$": mode},
+        }
+        if self.has_mtp:
+            rows = {
+                "hidden": nn.spec.Tensor(["n", self.cfg.hidden_size], "float32"),
+                "next_tokens": nn.spec.Tensor(["n"], i32),
+                "positions": nn.spec.Tensor(["n"], i32),
+                "token_seq": nn.spec.Tensor(["n"], i32),
+                "page_table": nn.spec.Tensor(["b", "p"], i32),
+            }
+            out["mtp_step"] = {**rows, "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
+            out["mtp_prefill"] = {**rows, "logit_rows": nn.spec.Tensor(["r"], i32),
+                                  "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
+            out["mtp_step_sl"] = {**rows, "shortlist": nn.spec.Tensor(["m"], i32),
+                                  "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
+        return out
 

@@ -13,6 +13,7 @@ from pathlib import Path
 SCHEMA = "ninfer-mlc-artifact"
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+KV_DTYPES = ("float32", "bfloat16", "fp8", "nvfp4")  # page formats this runtime reads
 
 
 class ArtifactError(RuntimeError):
@@ -33,7 +34,7 @@ class Manifest:
     config: dict
     target: str  # llvm | cuda-sm_90 | cuda-sm_120
     dtype: str  # activation / weight dtype: float32 | bfloat16
-    kv_dtype: str
+    kv_dtype: str  # float32 | bfloat16 | fp8 | nvfp4 (`ninfer compile --kv-dtype`)
     page_size: int
     max_context: int
     library: str
@@ -74,6 +75,8 @@ def read_manifest(art_dir: str | Path, verify: str = "size") -> Manifest:
     if raw.get("schema_version") != SCHEMA_VERSION:
         raise ArtifactError(f"{path}: schema version {raw.get('schema_version')} (this runtime reads {SCHEMA_VERSION}); recompile")
     m = Manifest(**raw)
+    if m.kv_dtype not in KV_DTYPES:
+        raise ArtifactError(f"{path}: kv_dtype {m.kv_dtype!r} is not one of {KV_DTYPES}; recompile or upgrade")
     if verify != "none":
         for rel, digest in m.files.items():
             f = art_dir / rel

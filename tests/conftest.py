@@ -9,3 +9,51 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("NINFER_LIB_CACHE", str(ROOT / "build" / "libcache"))
 os.environ.setdefault("TVM_NUM_THREADS", "2")
+
+
+# ---- HTTP server (tests/test_server_*.py) ---------------------------------------------------
+# One real engine on the embedded tiny model, shared by every server test; the servers are
+# uvicorn on loopback in a background thread, built from `ninfer serve` flags by load_state.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def server_engine():
+    from ninfer_mlc.generate import open_engine
+    from ninfer_mlc.paths import default_model_dir
+    from ninfer_mlc.runtime.engine import EngineOptions
+
+    eng = open_engine(default_model_dir(), EngineOptions(max_concurrency=4, max_context=1024, host_kv_mib=64))
+    yield eng
+    eng.stop()
+
+
+def start_test_server(engine, *flags):
+    """(ServerThread, ServerState) for `ninfer serve` flags, sharing `engine`."""
+    import argparse
+
+    from ninfer_mlc.server.app import ServerThread, create_app, load_state
+    from ninfer_mlc.server.options import add_serve_args
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    state = load_state(p.parse_args(["--max-context", "1024", *flags]), engine=engine)
+    return ServerThread(create_app(state)).start(), state
+
+
+@pytest.fixture(scope="session")
+def server(server_engine):
+    """Open server: --max-request-mib 1."""
+    srv, state = start_test_server(server_engine, "--max-request-mib", "1")
+    srv.state = state
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def secured_server(server_engine):
+    """--api-key sekret --cors."""
+    srv, state = start_test_server(server_engine, "--api-key", "sekret", "--cors", "--model-id", "tiny")
+    srv.state = state
+    yield srv
+    srv.stop()

@@ -4,22 +4,31 @@ The page pool is page-major, [num_pages, n_attn_layers, 2, kv_heads, page_size, 
 page of every attention layer is a single contiguous block: the host tier moves a page with one
 copy. The runtime owns the pool; the kernels only read the page table it passes in.
 
-This file holds the portable (llvm) versions: plain loops, fp32 online softmax.
+This file holds the portable (llvm) versions: plain loops, fp32 online softmax. The KV pool may
+use another dtype than the activations (f32 / bf16 pages are cast on write and read; fp8 / nvfp4
+pages are uint8 rows, see attention_quant.py).
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from .attention_quant import QUANT_KV_DTYPES, paged_attention_quant
+
 
 def paged_attention(
-    n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float
+    n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
+    kv_dtype: str | None = None,
 ):
     """Ragged multi-sequence attention over paged KV.
 
     Token i belongs to batch row tseq[i] at absolute position pos[i]; it attends to positions
     0..pos[i] of its sequence. All of this call's K/V are written first, so tokens of one chunk
-    see each other causally and earlier chunks through the page table.
+    see each other causally and earlier chunks through the page table. kv_dtype: page dtype
+    (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
     """
+    if kv_dtype in QUANT_KV_DTYPES:
+        return paged_attention_quant(n_heads, n_kv, head_dim, page_size, n_layers, dtype, sm_scale, kv_dtype)
+    kv_dt = kv_dtype or dtype
     group = n_heads // n_kv
     neg_big = -3.0e38
 
@@ -39,15 +48,15 @@ def paged_attention(
         pos = T.match_buffer(var_pos, (n,), "int32")
         tseq = T.match_buffer(var_tseq, (n,), "int32")
         pt = T.match_buffer(var_pt, (b, p), "int32")
-        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, head_dim), dtype)
+        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, head_dim), kv_dt)
         out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
         mx = T.alloc_buffer((1,), "float32", scope="local")
         den = T.alloc_buffer((1,), "float32", scope="local")
         sc = T.alloc_buffer((1,), "float32", scope="local")
         acc = T.alloc_buffer((head_dim,), "float32", scope="local")
         for i, h, d in T.grid(n, n_kv, head_dim):
-            pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size, d] = k[i, h, d]
-            pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size, d] = v[i, h, d]
+            pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size, d] = T.Cast(kv_dt, k[i, h, d])
+            pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size, d] = T.Cast(kv_dt, v[i, h, d])
         for i, h in T.grid(n, n_heads):
             mx[0] = T.float32(neg_big)
             den[0] = T.float32(0)

@@ -5,6 +5,7 @@ attention.py / gdn.py, so the model definition never changes with the target.
 """
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 from . import attention, gdn
@@ -17,8 +18,9 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         return cuda_registry.kernel_set(kv_dtype)
     if target_kind != "llvm":
         raise ValueError(f"no kernels for target kind {target_kind!r}")
+    # kv_dtype None: pages in the activation dtype; float32 | bfloat16 | fp8 | nvfp4 otherwise
     return SimpleNamespace(
-        paged_attention=attention.paged_attention,
+        paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype),
         causal_conv=gdn.causal_conv,
         chunked_delta_rule=gdn.chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
