@@ -32,3 +32,39 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                       ("presence-penalty", float), ("frequency-penalty", float), ("seed", int)):
         p.add_argument(f"--{name}", type=typ, default=None, help="process-level sampling override")
     p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request says otherwise")
+    add_cache_args(p)
+    add_spec_args(p)
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    """Tiered KV / prefix-reuse flags (runtime/tiered_kv.py)."""
+    p.add_argument("--no-prefix-reuse", action="store_true", help="disable prefix caching, checkpoints and the host tier")
+    p.add_argument("--device-state-slots", type=int, default=None,
+                   help="device state slots for cached checkpoints beyond the active lanes (default = max-concurrency)")
+    p.add_argument("--host-kv-mib", type=float, default=1024, help="ceiling of pinned host memory for KV + states (0 = no host tier)")
+    p.add_argument("--host-state-slots", type=int, default=8, help="host state slots kept as a floor")
+    p.add_argument("--host-ram-reserve-mib", type=float, default=2048, help="RAM that host-tier growth must leave free")
+    p.add_argument("--max-cache-entries", type=int, default=64, help="cached execution points (frontiers + checkpoints)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding flags (runtime/speculative.py; EngineOptions spec / draft_tokens / ...)."""
+    p.add_argument("--spec", default="none", choices=["none", "mtp", "draft"],
+                   help="speculative decoding: mtp = the model's MTP head, draft = a second compiled model")
+    p.add_argument("--draft-tokens", type=int, default=3, help="draft tokens proposed per round, 1..5")
+    p.add_argument("--draft-model", default=None,
+                   help="--spec draft: compiled drafter directory (a smaller model with the same tokenizer)")
+    p.add_argument("--lm-head-draft", default=None,
+                   help="--spec mtp: shortlisted proposal head, N (the N lowest token ids) or a file of token ids; "
+                        "verification always uses the full head")
+
+
+SPEC_FLAGS = (("spec", "spec"), ("draft_tokens", "draft_tokens"), ("draft_model", "draft_model"),
+              ("lm_head_draft", "lm_head_draft"))
+
+
+def apply_spec_args(args, opts) -> None:
+    """Copy the add_spec_args flags onto an EngineOptions (call before opts.validate())."""
+    for flag, field in SPEC_FLAGS:
+        if hasattr(args, flag) and hasattr(opts, field):
+            setattr(opts, field, getattr(args, flag))

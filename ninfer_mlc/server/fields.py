@@ -1,0 +1,115 @@
+"""Reading request bodies: size limit, JSON parsing, and typed field getters that raise a
+400 naming the field."""
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any, Optional
+
+from starlette.requests import Request
+
+from .errors import APIError, bad_request
+
+_DRAIN_CAP = 256 << 20
+
+
+async def read_json(request: Request, limit: int) -> dict:
+    """The body as a JSON object; 413 past ``limit`` bytes, 400 for malformed JSON."""
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.isdigit() and int(cl) > limit:
+        raise _too_large(int(cl), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            if size <= _DRAIN_CAP:  # read the rest so the client gets to see the 413
+                async for more in request.stream():
+                    size += len(more)
+                    if size > _DRAIN_CAP:
+                        break
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes (--max-request-mib)",
+                    code="request_too_large")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def request_id(request: Request) -> str:
+    """Client-supplied ``x-request-id`` when it looks sane, else a fresh ``req_...`` id."""
+    rid = request.headers.get("x-request-id", "")
+    if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable() and " " not in rid:
+        return rid
+    return new_id("req_")
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
+            float: "number", type(None): "null"}.get(type(v), type(v).__name__)
+
+
+def get_bool(body: dict, name: str, default: Optional[bool] = None, param: Optional[str] = None) -> Optional[bool]:
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad_request(f"{param or name} must be a boolean, got {_type_name(v)}", param=param or name)
+    return v
+
+
+def get_str(body: dict, name: str, default: Optional[str] = None, param: Optional[str] = None) -> Optional[str]:
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad_request(f"{param or name} must be a string, got {_type_name(v)}", param=param or name)
+    return v
+
+
+def get_int(body: dict, name: str, default: Optional[int] = None, param: Optional[str] = None,
+            minimum: Optional[int] = None) -> Optional[int]:
+    v = body.get(name, None)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{param or name} must be an integer, got {_type_name(v)}", param=param or name)
+    if minimum is not None and v < minimum:
+        raise bad_request(f"{param or name} must be >= {minimum}, got {v}", param=param or name)
+    return v
+
+
+def get_dict(body: dict, name: str, param: Optional[str] = None) -> Optional[dict]:
+    v = body.get(name, None)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad_request(f"{param or name} must be an object, got {_type_name(v)}", param=param or name)
+    return v
+
+
+def get_list(body: dict, name: str, param: Optional[str] = None) -> Optional[list]:
+    v = body.get(name, None)
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise bad_request(f"{param or name} must be an array, got {_type_name(v)}", param=param or name)
+    return v
+
+
+def type_name(v: Any) -> str:
+    return _type_name(v)
