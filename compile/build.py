@@ -19,7 +19,9 @@ from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
 from .targets import TargetSpec, cuda_build_env, parse_target
 
-QUANT_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+# --quant -> (activation dtype, weight format). nvfp4: decoder projections in NVFP4 (fused dequant),
+# activations bf16 on CUDA and f32 on CPU (where bf16 arithmetic is emulated).
+QUANT_MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "nvfp4": (None, "nvfp4")}
 # --kv-dtype -> manifest kv_dtype. fp8: E4M3 + per-(token, head) E8M0 scale; nvfp4: E2M1 + E4M3 per 16
 # (layouts in compile/kernels/attention_quant.py). Default: the model dtype.
 KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
@@ -65,7 +67,7 @@ def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, 
 
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
-                  kv_hadamard: bool = False, mtp: bool = False) -> list:
+                  kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
@@ -74,11 +76,12 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     from tvm import relax
 
     kv_dtype = kv_dtype or dtype
-    model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp)
+    model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     cache = os.environ.get("NINFER_LIB_CACHE")
-    cached = Path(cache) / f"{_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp)}.so" if cache else None
+    key = _cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
+    cached = Path(cache) / f"{key}.so" if cache else None
     if cached is not None and cached.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(cached, lib_path)
@@ -126,9 +129,10 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     tspec = parse_target(target)
-    if quant not in QUANT_DTYPES:
-        raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_DTYPES)}")
-    dtype = QUANT_DTYPES[quant]
+    if quant not in QUANT_MODES:
+        raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_MODES)}")
+    dtype, weight_quant = QUANT_MODES[quant]
+    dtype = dtype or ("bfloat16" if tspec.kind == "cuda" else "float32")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"--kv-dtype {kv_dtype!r} is not supported; use one of {sorted(KV_DTYPES)}")
     kv = KV_DTYPES[kv_dtype] if kv_dtype else dtype
@@ -157,13 +161,14 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
     mtp = cfg.mtp_num_hidden_layers >= 1 and checkpoint_has_mtp(
         n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0])
-    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp)
+    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
     np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
     params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
-                          cast=lambda a, dt: np.asarray(a, dtype=np.float32).astype(np_dt[dt]) if a.dtype != np_dt[dt] else a)
+                          cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
+                          np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))))
     shards = write_weights(params, out)
     log(f"converted {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s")
     for f in TOKENIZER_FILES:
@@ -175,7 +180,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     write_manifest(out, Manifest(
         name=name, config=cfg.to_dict(), target=tspec.name, dtype=dtype, kv_dtype=kv, page_size=PAGE_SIZE,
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
-        tvm_version=tvm.__version__, rope=rope_info, extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp)},
+        tvm_version=tvm.__version__, rope=rope_info,
+        extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype},
     ))
     log(f"wrote {out}")
     return out

@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .config import ModelConfig
+from .weight_quant import from_modelopt, quantize_weight
 
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_\w+)\.weight$"
                            r"|^model\.norm\.weight$|^mtp\.norm\.weight$")
@@ -54,6 +55,20 @@ def _split_next_ba(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndar
     return g[:, :r].reshape(-1, w.shape[-1]), g[:, r:].reshape(-1, w.shape[-1])
 
 
+def _quantize_nvfp4_layers(src: dict[str, np.ndarray], bases: list[str]) -> None:
+    """Fill base.weight / weight_scale / weight_scale_2 for every NVFP4 layer: taken from a ModelOpt
+    checkpoint when it has them, else quantized from the float weight."""
+    for base in bases:
+        q = from_modelopt(src, base)
+        if q is None:
+            w = src.get(base + ".weight")
+            if w is None:
+                continue  # reported as missing below
+            q = quantize_weight(np.asarray(w, np.float32))
+        for k, v in q.items():
+            src[f"{base}.{k}"] = v
+
+
 def hf_to_params(
     tensors: dict[str, np.ndarray],
     cfg: ModelConfig,
@@ -75,6 +90,8 @@ def hf_to_params(
             src[base + "in_proj_b.weight"], src[base + "in_proj_a.weight"] = _split_next_ba(arr, cfg)
         else:
             src[name] = arr
+    param_specs = list(param_specs)
+    _quantize_nvfp4_layers(src, [n[: -len(".weight_scale_2")] for n, _, _ in param_specs if n.endswith(".weight_scale_2")])
     inv_freq, factor = rope_tables
     src["rope_inv_freq"] = np.asarray(inv_freq, np.float32)
     src["rope_attn_factor"] = np.array([factor], np.float32)

@@ -20,6 +20,8 @@ zero-centred norm weights carry the folded +1 (compile/convert.py does it).
 """
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 from tvm import tirx
 from tvm.relax.frontend import nn
@@ -27,6 +29,7 @@ from tvm.relax.frontend.nn import op
 
 from .config import ModelConfig
 from .kernels.attention_quant import kv_pool_layout
+from .kernels.dequant import NVFP4Linear
 from .kernels.registry import kernel_set
 from .nvfp4 import hadamard_matrix
 from .kernels.rope import apply_rope
@@ -57,7 +60,13 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(shape, dtype)
 
 
-def _linear(i: int, o: int, dtype: str) -> nn.Linear:
+# weight format of the projections being built (None | "nvfp4"); set by Qwen3xForCausalLM
+_WEIGHT_QUANT: contextvars.ContextVar = contextvars.ContextVar("ninfer_weight_quant", default=None)
+
+
+def _linear(i: int, o: int, dtype: str, quantizable: bool = True) -> nn.Module:
+    if quantizable and _WEIGHT_QUANT.get() == "nvfp4" and i % 16 == 0:
+        return NVFP4Linear(i, o, dtype)
     return nn.Linear(i, o, bias=False, dtype=dtype)
 
 
@@ -121,8 +130,8 @@ class GatedDeltaNet(nn.Module):
         n_gdn = len(cfg.gdn_layers)
         self.in_proj_qkv = _linear(cfg.hidden_size, cfg.conv_dim, dtype)
         self.in_proj_z = _linear(cfg.hidden_size, cfg.value_dim, dtype)
-        self.in_proj_b = _linear(cfg.hidden_size, hv, dtype)
-        self.in_proj_a = _linear(cfg.hidden_size, hv, dtype)
+        self.in_proj_b = _linear(cfg.hidden_size, hv, dtype, quantizable=False)  # tiny gate projections
+        self.in_proj_a = _linear(cfg.hidden_size, hv, dtype, quantizable=False)
         self.conv1d = Weight((cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype)
         self.dt_bias = nn.Parameter((hv,), "float32")
         self.A_log = nn.Parameter((hv,), "float32")
@@ -219,16 +228,25 @@ class MTPHead(nn.Module):
 
 class Qwen3xForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm", kv_dtype: str | None = None,
-                 kv_hadamard: bool = False, mtp: bool = False):
-        """kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
+                 kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None):
+        """weight_quant: None (weights in dtype) or "nvfp4" (decoder projections in NVFP4).
+        kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
         kv_hadamard: rotate Q and K by a normalised Walsh-Hadamard after RoPE.
         mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl)."""
         self.cfg, self.dtype = cfg, dtype
         self.kv_dtype = kv_dtype or dtype
+        self.weight_quant = weight_quant
         kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
+        token = _WEIGHT_QUANT.set(weight_quant)
+        try:
+            self._build(cfg, dtype, kernels, kv_hadamard, mtp)
+        finally:
+            _WEIGHT_QUANT.reset(token)
+
+    def _build(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool, mtp: bool) -> None:
         self.model = TextModel(cfg, dtype, kernels, kv_hadamard)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype)
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, dtype, quantizable=False)
         self.rope_inv_freq = nn.Parameter((cfg.rotary_dim // 2,), "float32")
         self.rope_attn_factor = nn.Parameter((1,), "float32")
         self.has_mtp = bool(mtp)

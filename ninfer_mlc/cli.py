@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compile", help="compile a Hugging Face model directory into dist/NAME/")
     c.add_argument("model_dir")
     c.add_argument("--target", default="llvm", help="llvm | cuda:sm_90 | cuda:sm_120")
-    c.add_argument("--quant", default="f32", help="f32 | bf16")
+    c.add_argument("--quant", default="f32", help="f32 | bf16 | nvfp4 (NVFP4 decoder weights with fused dequant; bf16 activations on CUDA, f32 on CPU)")
     c.add_argument("--max-context", type=int, default=None)
     c.add_argument("--kv-dtype", choices=["f32", "bf16", "fp8", "nvfp4"], default=None,
                    help="KV cache page format (default: the --quant dtype). fp8: E4M3 with a per-(token, head) "
