@@ -63,6 +63,11 @@ class EngineOptions:
     host_state_slots: int = 8
     host_ram_reserve_mib: float = 2048
     max_cache_entries: int = 64
+    # speculative decoding (runtime/speculative.py)
+    spec: str = "none"  # none | mtp (the model's MTP head) | draft (a second compiled model, draft_model)
+    draft_tokens: int = 3  # drafts proposed per round, 1..5
+    draft_model: Optional[str] = None  # --spec draft: compiled drafter directory (same tokenizer)
+    lm_head_draft: Optional[str] = None  # --spec mtp: shortlisted proposal head (N lowest ids, or a file of ids)
 
     def validate(self) -> None:
         if not 1 <= self.max_concurrency <= 8:
@@ -79,11 +84,37 @@ class EngineOptions:
             raise ValueError("--device-state-slots must be >= 0")
         if self.host_kv_mib < 0 or self.host_state_slots < 0 or self.host_ram_reserve_mib < 0:
             raise ValueError("--host-kv-mib, --host-state-slots and --host-ram-reserve-mib must be >= 0")
+        self._validate_spec()
+
+    def _validate_spec(self) -> None:
+        from pathlib import Path
+
+        from .speculative import MAX_DRAFT_TOKENS, SPEC_METHODS
+
+        if self.spec not in SPEC_METHODS:
+            raise ValueError(f"--spec must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
+        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or \
+                not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"--draft-tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
+        if self.spec == "draft":
+            if not self.draft_model:
+                raise ValueError("--spec draft needs --draft-model DIR (a compiled model with the same tokenizer)")
+            if not (Path(self.draft_model) / "manifest.json").is_file():
+                raise ValueError(f"--draft-model {self.draft_model}: not a compiled model directory (no manifest.json)")
+        elif self.draft_model:
+            raise ValueError("--draft-model is only used with --spec draft")
+        if self.lm_head_draft is not None:
+            if self.spec != "mtp":
+                raise ValueError("--lm-head-draft is only used with --spec mtp")
+            v = str(self.lm_head_draft).strip()
+            if v.isdigit() and int(v) < 1 or not v.isdigit() and not Path(v).is_file():
+                raise ValueError(f"--lm-head-draft must be a positive token count or a file of token ids, got {v!r}")
 
     @property
     def device_slots(self) -> int:
         extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
-        return self.max_concurrency + (extra if self.prefix_reuse else 0)
+        spec = self.max_concurrency if self.spec != "none" else 0  # pre-verification state snapshots
+        return self.max_concurrency + (extra if self.prefix_reuse else 0) + spec
 
 
 # ---- events ------------------------------------------------------------------------------
@@ -232,6 +263,11 @@ class Engine:
             "decode_rounds": 0, "decode_row_rounds": 0, "prefill_rounds": 0, "preemptions": 0,
             "queue_time_ms_last": 0.0, "queue_time_ms_max": 0.0,
         }
+        self.spec = None  # speculative decoding (runtime/speculative.py), when options.spec != "none"
+        if options.spec != "none":
+            from .speculative import Speculator
+
+            self.spec = Speculator(self)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
@@ -285,10 +321,11 @@ class Engine:
 
     def snapshot(self) -> dict:
         with self._lock:
+            acts = list(self._active.values())  # one C-level copy: the engine thread mutates the dict
             return {
-                "running": len(self._active),
-                "prefilling": sum(1 for a in self._active.values() if a.feed),
-                "decode_ready": sum(1 for a in self._active.values() if a.decoding),
+                "running": len(acts),
+                "prefilling": sum(1 for a in acts if a.feed),
+                "decode_ready": sum(1 for a in acts if a.decoding),
                 "waiting": len(self._pending),
                 **self.stats,
             }
@@ -397,7 +434,10 @@ class Engine:
             budget -= len(take)
         if not batch:
             return
-        logits = self.runner.prefill([(a.seq, t) for a, t in batch])
+        if self.spec is not None:
+            logits = self.spec.prefill(batch)
+        else:
+            logits = self.runner.prefill([(a.seq, t) for a, t in batch])
         self.stats["prefill_rounds"] += 1
         done_rows, done = [], []
         for (a, take), lg in zip(batch, logits):
@@ -415,6 +455,8 @@ class Engine:
             self._sample_and_emit(done, np.stack(done_rows))
 
     def _decode_step(self) -> None:
+        if self.spec is not None:  # draft + one batched verification per round
+            return self.spec.decode_step()
         rows = [a for a in self._active.values() if a.decoding]
         ok = []
         for a in rows:
@@ -463,34 +505,41 @@ class Engine:
         toks, lps = (res if want_lp else (res, [None] * len(acts)))
         now = time.monotonic()
         for a, t, lp in zip(acts, toks, lps):
-            t = int(t)
-            if not a.t_first:
-                a.t_first = now
-            a.generated.append(t)
-            self.stats["committed_decode_tokens"] += 1
-            if t in a.stop_ids:
-                emit, stopped, matched = a.stops.feed(a.detok.flush())
-                emit += "" if stopped else a.stops.flush()
-                if emit:
-                    a.handle._push(Delta(emit, [], []))
-                self._finish(a, "stop")
-                continue
-            text = a.detok.add(t)
-            emit, stopped, matched = a.stops.feed(text)
-            if emit or lp is not None:
-                a.handle._push(Delta(emit, [t], [lp] if lp is not None else []))
-            if stopped:
-                self._finish(a, "stop", stop_matched=matched)
-            elif len(a.generated) >= a.max_tokens:
-                rest = a.stops.feed(a.detok.flush())[0] + a.stops.flush()
-                if rest:
-                    a.handle._push(Delta(rest, [], []))
-                self._finish(a, "length")
-            else:
-                a.pending_token = t
+            self._commit_token(a, int(t), lp, now)
+
+    def _commit_token(self, a: _Active, t: int, lp, now: float) -> bool:
+        """Record one sampled token: stream it, apply stop tokens/strings and the length limit.
+        Returns False when the request finished."""
+        if not a.t_first:
+            a.t_first = now
+        a.generated.append(t)
+        self.stats["committed_decode_tokens"] += 1
+        if t in a.stop_ids:
+            emit, stopped, matched = a.stops.feed(a.detok.flush())
+            emit += "" if stopped else a.stops.flush()
+            if emit:
+                a.handle._push(Delta(emit, [], []))
+            self._finish(a, "stop")
+            return False
+        text = a.detok.add(t)
+        emit, stopped, matched = a.stops.feed(text)
+        if emit or lp is not None:
+            a.handle._push(Delta(emit, [t], [lp] if lp is not None else []))
+        if stopped:
+            self._finish(a, "stop", stop_matched=matched)
+            return False
+        if len(a.generated) >= a.max_tokens:
+            rest = a.stops.feed(a.detok.flush())[0] + a.stops.flush()
+            if rest:
+                a.handle._push(Delta(rest, [], []))
+            self._finish(a, "length")
+            return False
+        a.pending_token = t
+        return True
 
     def _finish(self, a: _Active, reason: str, stop_matched: Optional[str] = None, error: Optional[str] = None) -> None:
         self._active.pop(a.rid, None)
+        spec_t = self.spec.on_finish(a) if self.spec is not None else {}  # before the state is released
         if a.seq is not None:
             self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key)
             a.seq = None
@@ -509,7 +558,7 @@ class Engine:
             "predicted_n": n_out, "predicted_ms": round(pred_ms, 3),
             "predicted_per_second": round((n_out - 1) / pred_ms * 1000, 3) if pred_ms > 0 and n_out > 1 else 0.0,
             "queue_ms": round(((a.t_admit or end) - a.t_submit) * 1000, 3),
-            "draft_n": 0, "draft_n_accepted": 0,
+            "draft_n": 0, "draft_n_accepted": 0, **spec_t,
         }
         if reason == "cancelled":
             self.stats["requests_cancelled"] += 1

@@ -236,6 +236,9 @@ def check_flags(args, manifest) -> dict:
         if hasattr(args, flag) and hasattr(opts, field):
             v = getattr(args, flag)
             setattr(opts, field, (not v) if flag == "no_prefix_reuse" else v)
+    from .options import apply_spec_args  # speculative decoding flags (--spec, --draft-tokens, ...)
+
+    apply_spec_args(args, opts)
     try:
         opts.validate()
     except ValueError as e:
