@@ -58,6 +58,8 @@ class ModelRunner:
         self.load_seconds = time.time() - t0
         self.page_size = m.page_size
         self.vocab_size = int(self.cfg["vocab_size"])
+        if kv_capacity_tokens == "auto":
+            kv_capacity_tokens = self._auto_capacity(num_slots)
         cap = kv_capacity_tokens or max(m.max_context, self.page_size)
         num_pages = -(-cap // self.page_size)
         self.pages = PageAllocator(num_pages, self.page_size)
@@ -66,6 +68,21 @@ class ModelRunner:
         self._init_spec(num_pages)
 
     # ---- setup ---------------------------------------------------------------------------
+    AUTO_HEADROOM = 1 << 30
+
+    def _auto_capacity(self, num_slots: int) -> int:
+        """Tokens of KV that fit in the device memory left after weights, state slots and 1 GiB."""
+        m, c = self.manifest, self.cfg
+        free = int(getattr(self.dev, "available_global_memory", 0) or 0) if self.device_kind == "cuda" else 0
+        if free <= 0:
+            return m.max_context
+        kvd = m.kv_dtype
+        kv_dt, row = ("uint8", _KV_ROW[kvd](c["head_dim"])) if kvd in _KV_ROW else (kvd, c["head_dim"])
+        per_token = c["layer_types"].count("full_attention") * 2 * c["num_key_value_heads"] * row * \
+            self._np_dtype(kv_dt).itemsize
+        state = 160 * 2**20  # generous per-slot bound for the 27B geometry (~147 MiB)
+        left = free - self.AUTO_HEADROOM - num_slots * state
+        return max(m.max_context, left // per_token)
     def _load_params(self):
         m = self.manifest
         arrays: dict[str, np.ndarray] = {}

@@ -216,7 +216,7 @@ def check_flags(args, manifest) -> dict:
         raise _cli_error(f"--max-context {max_context} exceeds the {native} tokens this artifact was compiled for "
                          f"(recompile with `ninfer compile --max-context`)")
     concurrency = args.max_concurrency
-    kv = None
+    kv = "auto" if args.kv_capacity == "auto" else None
     if args.kv_capacity not in (None, "auto"):
         try:
             kv = int(args.kv_capacity)

@@ -13,7 +13,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require this key as Bearer token or x-api-key")
     p.add_argument("--model-id", default=None, help="public model name (default: the artifact name)")
     p.add_argument("--max-context", type=int, default=None, help="per-sequence token limit (default: the artifact's)")
-    p.add_argument("--kv-capacity", default=None, help="device KV pool size in tokens (default: max-context x concurrency)")
+    p.add_argument("--kv-capacity", default=None, help="device KV pool size in tokens (default: max-context; auto: all free device memory but 1 GiB)")
     p.add_argument("--max-concurrency", type=int, default=4, help="active sequences, 1..8")
     p.add_argument("--max-pending-requests", type=int, default=16, help="queued requests beyond the active set (full -> 429)")
     p.add_argument("--pending-timeout-ms", type=int, default=30000, help="queue deadline (-> 503)")
