@@ -63,6 +63,11 @@ def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, 
         h.update(b"mtp")
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
+    if target.kind == "cuda":  # schedule choices shape the CUDA library
+        from .gpu_pipeline import SCHEDULE_DIR
+
+        for f in sorted(Path(os.environ.get("NINFER_SCHEDULE_DIR", SCHEDULE_DIR)).glob("*.json")):
+            h.update(f.read_bytes())
     return h.hexdigest()[:24]
 
 

@@ -1,0 +1,75 @@
+"""CUDA kernel set: same factory names, prim_func signatures and buffer contracts as the llvm set.
+
+Kernel variant parameters (threads per block, split target, GDN chunk and dv tile) come from the
+"kernels" section of schedules/cuda_<arch>.json, the same file the relax pipeline
+(compile/gpu_pipeline.py) reads its DLight choices from (NINFER_SCHEDULE_DIR overrides the folder).
+The arch is the one of the current target scope (`with Target(...)`), else NINFER_CUDA_ARCH, else
+sm_90. compile/build.py constructs the model outside the target scope today, so a build reads the
+sm_90 values unless NINFER_CUDA_ARCH is set; both files therefore hold the same kernel values (what
+differs per arch is only what the DLight section and nvcc do).
+"""
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+from . import attention, gdn
+
+SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
+DEFAULT_KERNELS = {
+    "paged_attention": {"threads": 128, "target_blocks": 264},
+    "causal_conv": {"threads": 256},
+    "chunked_delta_rule": {"chunk": 32, "dv_tile": 64},
+    "recurrent_delta_rule": {},
+}
+
+
+def current_arch() -> str:
+    try:
+        from tvm.target import Target
+
+        t = Target.current(allow_none=True)
+        if t is not None and t.kind.name == "cuda" and str(getattr(t, "arch", "")).startswith("sm_"):
+            return str(t.arch)
+    except Exception:  # noqa: BLE001 - no target scope / runtime-only tvm
+        pass
+    return os.environ.get("NINFER_CUDA_ARCH", "sm_90")
+
+
+def schedule_file(arch: str) -> Path:
+    """schedules/cuda_<arch>.json, or the same name under NINFER_SCHEDULE_DIR."""
+    return Path(os.environ.get("NINFER_SCHEDULE_DIR") or SCHEDULE_DIR) / f"cuda_{arch}.json"
+
+
+def load_schedule(arch: str) -> dict:
+    f = schedule_file(arch)
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def kernel_params(arch: str | None = None) -> dict:
+    sched = load_schedule(arch or current_arch()).get("kernels", {})
+    out = {}
+    for name, defaults in DEFAULT_KERNELS.items():
+        given = {k: v for k, v in sched.get(name, {}).items() if k in defaults}
+        out[name] = {**defaults, **given}
+    return out
+
+
+def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNamespace:
+    """kv_dtype: KV page dtype (None = activation dtype). float32/bfloat16/float16 pages have CUDA
+    kernels; fp8/nvfp4 pages raise NotImplementedError when the attention kernel is made."""
+    p = kernel_params(arch)
+    cp = p["chunked_delta_rule"]
+
+    def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int | None = None):
+        return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], dv_tile=cp["dv_tile"])
+
+    return SimpleNamespace(
+        paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"]),
+        causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
+        chunked_delta_rule=chunked_delta_rule,
+        recurrent_delta_rule=gdn.recurrent_delta_rule,
+    )
