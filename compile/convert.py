@@ -14,6 +14,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from .config import ModelConfig
+from .model import FUSED_PROJECTIONS
 from .weight_quant import from_modelopt, quantize_weight
 
 _ZERO_CENTRED = re.compile(r"(input_layernorm|post_attention_layernorm|q_norm|k_norm|pre_fc_norm_\w+)\.weight$"
@@ -55,18 +56,40 @@ def _split_next_ba(w: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndar
     return g[:, :r].reshape(-1, w.shape[-1]), g[:, r:].reshape(-1, w.shape[-1])
 
 
-def _quantize_nvfp4_layers(src: dict[str, np.ndarray], bases: list[str]) -> None:
-    """Fill base.weight / weight_scale / weight_scale_2 for every NVFP4 layer: taken from a ModelOpt
-    checkpoint when it has them, else quantized from the float weight."""
-    for base in bases:
-        q = from_modelopt(src, base)
-        if q is None:
-            w = src.get(base + ".weight")
-            if w is None:
+def _parts(base: str) -> list[str]:
+    """Checkpoint layers that make up a (possibly fused) projection of the model."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if base.endswith(fused):
+            prefix = base[: -len(fused)]
+            return [prefix + p for p in parts]
+    return [base]
+
+
+def _nvfp4_part(src: dict[str, np.ndarray], part: str) -> dict[str, np.ndarray] | None:
+    q = from_modelopt(src, part)
+    if q is None and part + ".weight" in src:
+        q = quantize_weight(np.asarray(src[part + ".weight"], np.float32))
+    if q is not None:  # per-row global scale, so fused parts keep their own tensor scales exactly
+        q = dict(q, weight_scale_2=np.full(q["weight"].shape[0], q["weight_scale_2"].reshape(-1)[0], np.float32))
+    return q
+
+
+def _assemble_projections(src: dict[str, np.ndarray], param_names: list[str]) -> None:
+    """Build every fused and/or NVFP4 projection the model asks for from the checkpoint's layers."""
+    nvfp4 = {n[: -len(".weight_scale_2")] for n in param_names if n.endswith(".weight_scale_2")}
+    for name in param_names:
+        if not name.endswith(".weight"):
+            continue
+        base = name[: -len(".weight")]
+        parts = _parts(base)
+        if base in nvfp4:
+            qs = [_nvfp4_part(src, p) for p in parts]
+            if any(q is None for q in qs):
                 continue  # reported as missing below
-            q = quantize_weight(np.asarray(w, np.float32))
-        for k, v in q.items():
-            src[f"{base}.{k}"] = v
+            for k in ("weight", "weight_scale", "weight_scale_2"):
+                src[f"{base}.{k}"] = np.concatenate([q[k] for q in qs], axis=0)
+        elif len(parts) > 1 and all(p + ".weight" in src for p in parts):
+            src[name] = np.concatenate([np.asarray(src[p + ".weight"]) for p in parts], axis=0)
 
 
 def hf_to_params(
@@ -91,7 +114,7 @@ def hf_to_params(
         else:
             src[name] = arr
     param_specs = list(param_specs)
-    _quantize_nvfp4_layers(src, [n[: -len(".weight_scale_2")] for n, _, _ in param_specs if n.endswith(".weight_scale_2")])
+    _assemble_projections(src, [n for n, _, _ in param_specs])
     inv_freq, factor = rope_tables
     src["rope_inv_freq"] = np.asarray(inv_freq, np.float32)
     src["rope_attn_factor"] = np.array([factor], np.float32)

@@ -27,7 +27,8 @@ from tvm import relax, tirx
 SCHEDULE_DIR = Path(__file__).resolve().parent.parent / "schedules"
 DEFAULT_SCHEDULE = {
     "dlight": {
-        "rules": ["Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm", "Fallback"],
+        "rules": ["TensorCoreMatmul", "Matmul", "GEMV", "LowBatchGEMV", "Reduction", "GeneralReduction", "RMSNorm",
+                  "Fallback"],
         "low_batch": [[1, 1], [4, 4], [8, 8]],
         "overrides": {},
     },
@@ -63,7 +64,9 @@ def last_report() -> dict:
 def _make_rule(name: str, arg=None):
     from tvm.s_tir import dlight as dl
 
-    cls = getattr(dl.gpu, name)
+    from .kernels.cuda.tensor_core import TensorCoreMatmul
+
+    cls = {"TensorCoreMatmul": TensorCoreMatmul}.get(name) or getattr(dl.gpu, name)
     return cls(arg) if arg is not None else cls()
 
 
@@ -173,7 +176,7 @@ class NinferDLight:
                         break
             if chosen is None:
                 raise RuntimeError(f"no DLight rule schedules prim_func {name}")
-            if chosen[1] == "Matmul":
+            if chosen[1] in ("Matmul", "TensorCoreMatmul"):  # decode rows take the GEMV versions
                 lb = _low_batch_version(func, target, cfg.get("low_batch"), chosen)
                 if lb is not None:
                     chosen = lb

@@ -15,8 +15,9 @@ Speculative decoding (final hidden states are post-norm, fp32):
   mtp_prefill(..., logit_rows[r], mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
   mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
 
-Parameter names follow transformers (model.layers.{i}.linear_attn.in_proj_qkv.weight ...), but
-zero-centred norm weights carry the folded +1 (compile/convert.py does it).
+Parameter names follow transformers (model.layers.{i}.linear_attn.conv1d.weight ...), except that
+projections reading the same input are fused (FUSED_PROJECTIONS: gate_up_proj, qkv_proj,
+in_proj_qkv_z, in_proj_ba) and zero-centred norm weights carry the folded +1 (compile/convert.py).
 """
 from __future__ import annotations
 
@@ -64,20 +65,42 @@ class Weight(nn.Module):
 _WEIGHT_QUANT: contextvars.ContextVar = contextvars.ContextVar("ninfer_weight_quant", default=None)
 
 
+class Linear(nn.Module):
+    """y = x W^T without bias, accumulated in fp32 and cast back (bf16 sums over 17k inputs drift)."""
+
+    def __init__(self, i: int, o: int, dtype: str):
+        self.in_features, self.out_features, self.dtype = i, o, dtype
+        self.weight = nn.Parameter((o, i), dtype)
+
+    def forward(self, x: nn.Tensor) -> nn.Tensor:
+        y = op.matmul(x, op.permute_dims(self.weight), out_dtype="float32")
+        return y if self.dtype == "float32" else y.astype(self.dtype)
+
+
 def _linear(i: int, o: int, dtype: str, quantizable: bool = True) -> nn.Module:
     if quantizable and _WEIGHT_QUANT.get() == "nvfp4" and i % 16 == 0:
         return NVFP4Linear(i, o, dtype)
-    return nn.Linear(i, o, bias=False, dtype=dtype)
+    return Linear(i, o, dtype)
+
+
+# Projections that read the same input are one matmul (one launch, one weight stream); the
+# converter concatenates the checkpoint's matrices along the output dim in this order.
+FUSED_PROJECTIONS = {
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "linear_attn.in_proj_qkv_z": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+}
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: str):
-        self.gate_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype)
-        self.up_proj = _linear(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
     def forward(self, x):
-        return self.down_proj(op.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+        return self.down_proj(op.silu(gate) * up)
 
 
 def _hadamard(x: nn.Tensor, dim: int) -> nn.Tensor:
@@ -92,9 +115,7 @@ class GatedAttention(nn.Module):
         """n_layers: layers of the KV pool this attention writes into (None = the main model's)."""
         self.cfg, self.dtype, self.slot, self.kv_hadamard = cfg, dtype, slot, kv_hadamard
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = _linear(cfg.hidden_size, hq * 2 * dh, dtype)
-        self.k_proj = _linear(cfg.hidden_size, hkv * dh, dtype)
-        self.v_proj = _linear(cfg.hidden_size, hkv * dh, dtype)
+        self.qkv_proj = _linear(cfg.hidden_size, hq * 2 * dh + 2 * hkv * dh, dtype)
         self.o_proj = _linear(hq * dh, cfg.hidden_size, dtype)
         self.q_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
@@ -105,10 +126,10 @@ class GatedAttention(nn.Module):
         cfg = self.cfg
         n = x.shape[0]
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = op.reshape(self.q_proj(x), (n, hq, 2 * dh))
-        q, gate = op.split(qg, 2, axis=2)
-        k = op.reshape(self.k_proj(x), (n, hkv, dh))
-        v = op.reshape(self.v_proj(x), (n, hkv, dh))
+        qg, k, v = op.split(self.qkv_proj(x), [hq * 2 * dh, hq * 2 * dh + hkv * dh], axis=1)
+        q, gate = op.split(op.reshape(qg, (n, hq, 2 * dh)), 2, axis=2)
+        k = op.reshape(k, (n, hkv, dh))
+        v = op.reshape(v, (n, hkv, dh))
         inv_freq, factor = rope
         q = apply_rope(self.q_norm(q), positions, inv_freq, factor, cfg.rotary_dim, "rope_q")
         k = apply_rope(self.k_norm(k), positions, inv_freq, factor, cfg.rotary_dim, "rope_k")
@@ -128,10 +149,8 @@ class GatedDeltaNet(nn.Module):
         self.cfg, self.dtype, self.slot = cfg, dtype, slot
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
         n_gdn = len(cfg.gdn_layers)
-        self.in_proj_qkv = _linear(cfg.hidden_size, cfg.conv_dim, dtype)
-        self.in_proj_z = _linear(cfg.hidden_size, cfg.value_dim, dtype)
-        self.in_proj_b = _linear(cfg.hidden_size, hv, dtype, quantizable=False)  # tiny gate projections
-        self.in_proj_a = _linear(cfg.hidden_size, hv, dtype, quantizable=False)
+        self.in_proj_qkv_z = _linear(cfg.hidden_size, cfg.conv_dim + cfg.value_dim, dtype)
+        self.in_proj_ba = _linear(cfg.hidden_size, 2 * hv, dtype, quantizable=False)  # tiny gate projections
         self.conv1d = Weight((cfg.conv_dim, cfg.linear_conv_kernel_dim), dtype)
         self.dt_bias = nn.Parameter((hv,), "float32")
         self.A_log = nn.Parameter((hv,), "float32")
@@ -151,10 +170,11 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv = self.in_proj_qkv(x)
-        z = op.reshape(self.in_proj_z(x), (n, hv, dv))
-        beta = op.sigmoid(self.in_proj_b(x)).astype("float32")
-        a = self.in_proj_a(x).astype("float32")
+        qkv, z = op.split(self.in_proj_qkv_z(x), [cfg.conv_dim], axis=1)
+        z = op.reshape(z, (n, hv, dv))
+        b, a = op.split(self.in_proj_ba(x), 2, axis=1)
+        beta = op.sigmoid(b).astype("float32")
+        a = a.astype("float32")
         g = op.negative(op.exp(self.A_log)) * op.softplus(a + self.dt_bias)
         conv_pool, u = op.tensor_ir_inplace_op(
             self.conv_kernel, "gdn_conv",

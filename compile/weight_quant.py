@@ -4,6 +4,7 @@ FP32 per-tensor scale), in ModelOpt's on-disk form so both paths meet in one par
   weight          uint8 [out, in/2]   two E2M1 codes per byte, element 2i in the low nibble
   weight_scale    uint8 [out, in/16]  E4M3 bit patterns
   weight_scale_2  fp32  [1]           decode-side global: w = e2m1 * e4m3 * weight_scale_2
+                                      (the compiled model keeps it per output row, see convert.py)
 
 A bf16/f32 checkpoint is quantized here with the production rule (compile/nvfp4.py, global
 encode scale 448*6/amax); a ModelOpt NVFP4 checkpoint (weight / weight_scale / weight_scale_2)

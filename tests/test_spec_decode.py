@@ -71,7 +71,7 @@ def test_manifest_records_mtp_head():
     assert m.extras.get("mtp") is True
     names = [p[0] for p in m.params]
     for n in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
-              "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.mlp.down_proj.weight", "mtp.norm.weight"):
+              "mtp.layers.0.self_attn.qkv_proj.weight", "mtp.layers.0.mlp.down_proj.weight", "mtp.norm.weight"):
         assert n in names
 
 
@@ -91,6 +91,13 @@ def _torch_mtp_reference(params: dict, prompt_hidden, next_tokens, n_chain: int,
               "self_attn.k_norm.weight")
     sd = {k[len(prefix):]: torch.tensor(np.array(v)) - (1.0 if k.endswith(folded) else 0.0)
           for k, v in params.items() if k.startswith(prefix)}
+    # the compiled model fuses projections that read the same input; split them back for transformers
+    q_rows = cfg.num_attention_heads * cfg.head_dim * 2
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
+    q, k, v = torch.split(sd.pop("self_attn.qkv_proj.weight"), [q_rows, kv_rows, kv_rows])
+    sd.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v})
+    gate, up = torch.chunk(sd.pop("mlp.gate_up_proj.weight"), 2)
+    sd.update({"mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
     layer.load_state_dict(sd, strict=True)
     rot = M.Qwen3_5TextRotaryEmbedding(cfg)
     T = lambda n: torch.tensor(np.array(params[n]))  # noqa: E731

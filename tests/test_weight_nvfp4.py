@@ -81,7 +81,7 @@ def test_nvfp4_model_matches_hf_with_dequantized_weights(tmp_path, modelopt):
         ref = model(ids).logits[0].numpy()
     runner = ModelRunner(art, kv_capacity_tokens=512, num_slots=2)
     manifest_params = {n: dt for n, _, dt in runner.manifest.params}
-    assert manifest_params["model.layers.0.mlp.up_proj.weight"] == "uint8"
+    assert manifest_params["model.layers.0.mlp.gate_up_proj.weight"] == "uint8"
     seq = runner.new_seq()
     (got,) = runner.prefill([(seq, ids[0, :80].tolist())], all_logits=True)
     steps = [runner.decode([seq], [int(t)])[0] for t in ids[0, 80:90]]

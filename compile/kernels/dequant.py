@@ -41,7 +41,7 @@ def dequantize_nvfp4_weight(codes: nn.Tensor, scales: nn.Tensor, global_scale: n
         def elem(o, i):
             byte = c[o, i // 2].astype("uint32")
             code = (byte >> ((i % 2) * 4).astype("uint32")) & 15
-            return (_e2m1(code) * _e4m3(s[o, i // 16]) * g[0]).astype(dtype)
+            return (_e2m1(code) * _e4m3(s[o, i // 16]) * g[o]).astype(dtype)
 
         return te.compute((out_f, in_f), elem, name=name)
 
@@ -57,8 +57,10 @@ class NVFP4Linear(nn.Module):
         self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
         self.weight = nn.Parameter((out_features, in_features // 2), "uint8")
         self.weight_scale = nn.Parameter((out_features, in_features // 16), "uint8")
-        self.weight_scale_2 = nn.Parameter((1,), "float32")
+        # per output row, so fused projections keep each source tensor's scale exactly
+        self.weight_scale_2 = nn.Parameter((out_features,), "float32")
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
         w = dequantize_nvfp4_weight(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)
-        return nn.op.matmul(x, nn.op.permute_dims(w))
+        y = nn.op.matmul(x, nn.op.permute_dims(w), out_dtype="float32")
+        return y if self.dtype == "float32" else y.astype(self.dtype)
