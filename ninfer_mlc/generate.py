@@ -13,6 +13,9 @@ from .runtime.tiered_kv import TieredKV
 from .runtime.tokenizer import eos_token_ids, load_tokenizer
 
 TURN_OPENER = "<|im_start|>assistant"
+# what Qwen's own serving inserts when a thinking budget runs out
+THINK_EARLY_CLOSE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
+                     "thinking directly now.\n</think>\n\n")
 
 
 def open_engine(art_dir: str | Path, options: EngineOptions | None = None, meminfo_reader=None,
@@ -31,6 +34,10 @@ def open_engine(art_dir: str | Path, options: EngineOptions | None = None, memin
         kv = TieredKV(runner, None, None)
     opener = tok.encode(TURN_OPENER, add_special_tokens=False).ids if tok.token_to_id("<|im_start|>") is not None else []
     eng = Engine(runner, tok, options, eos_token_ids(art_dir, tok, runner.cfg), kv=kv, turn_opener=opener)
+    end_id = tok.token_to_id("</think>")
+    if end_id is not None:
+        eng.think_end_id = end_id
+        eng.think_close = tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids
     eng.start()
     return eng
 

@@ -141,6 +141,8 @@ class GenRequest:
     request_id: str = ""
     session_key: Optional[str] = None
     skip_special_tokens: bool = True
+    thinking_budget: Optional[int] = None  # reasoning tokens before the engine closes </think> itself
+    started_in_think: bool = False  # the prompt's generation prompt opened <think>
     cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
 
 
@@ -228,6 +230,9 @@ class _Active:
         self.pending_token: Optional[int] = None  # sampled, not yet fed to decode
         self.preemptions = 0
         self.identity = identity_seed(req.cache_mode)
+        self.in_think = req.started_in_think
+        self.think_tokens = 0
+        self.forced: list[int] = []
         self.ckpt_at: Optional[int] = None
 
     def fed_tokens(self) -> list[int]:
@@ -263,6 +268,8 @@ class Engine:
             "decode_rounds": 0, "decode_row_rounds": 0, "prefill_rounds": 0, "preemptions": 0,
             "queue_time_ms_last": 0.0, "queue_time_ms_max": 0.0,
         }
+        self.think_close: list[int] = []  # early-close text ending in </think> (set by open_engine)
+        self.think_end_id: Optional[int] = None
         self.spec = None  # speculative decoding (runtime/speculative.py), when options.spec != "none"
         if options.spec != "none":
             from .speculative import Speculator
@@ -505,7 +512,25 @@ class Engine:
         toks, lps = (res if want_lp else (res, [None] * len(acts)))
         now = time.monotonic()
         for a, t, lp in zip(acts, toks, lps):
-            self._commit_token(a, int(t), lp, now)
+            self._commit_token(a, self._apply_thinking_budget(a, int(t)), lp, now)
+
+    def _apply_thinking_budget(self, a: _Active, t: int) -> int:
+        """Past its reasoning budget a request gets Qwen's early-close text and </think> instead of
+        what it sampled (one forced token per step, so KV and state follow the forced text)."""
+        budget = a.req.thinking_budget
+        if (not a.forced and budget is not None and self.think_end_id is not None and a.in_think
+                and a.think_tokens >= budget):
+            a.forced = list(self.think_close)
+        if a.forced:
+            forced = a.forced.pop(0)
+            if forced != t:  # the sampler recorded its own draw: keep penalties on what is fed
+                a.row.rollback(1)
+                a.row.append(forced)
+            t = forced
+        if a.in_think:
+            a.think_tokens += 1
+            a.in_think = t != self.think_end_id
+        return t
 
     def _commit_token(self, a: _Active, t: int, lp, now: float) -> bool:
         """Record one sampled token: stream it, apply stop tokens/strings and the length limit.

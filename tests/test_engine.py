@@ -164,3 +164,28 @@ def test_stop_strings_and_stop_tokens():
         assert evs[-1].reason == "stop" and evs[-1].usage["completion_tokens"] == 1
     finally:
         eng.stop()
+
+
+def test_thinking_budget_closes_reasoning_with_the_early_close_text():
+    from ninfer_mlc.generate import THINK_EARLY_CLOSE
+
+    eng = engine(max_concurrency=1, prefix_reuse=False)
+    try:
+        p = prompts(1, seed=11)[0] + eng.tok.encode("<think>\n", add_special_tokens=False).ids
+        budget = 7
+        h = eng.submit(GenRequest(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                                  thinking_budget=budget, started_in_think=True))
+        evs = list(h.iter_sync(timeout=120))
+        text = "".join(e.text for e in evs[:-1])
+        assert "</think>" in text
+        reasoning, answer = text.split("</think>", 1)
+        assert reasoning.endswith(THINK_EARLY_CLOSE.split("</think>")[0])
+        # exactly `budget` freely sampled reasoning tokens before the forced text starts
+        ids = eng.tok.encode(text, add_special_tokens=False).ids
+        close = eng.tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids
+        n_free = len(eng.tok.encode(reasoning[: -len(THINK_EARLY_CLOSE.split("</think>")[0])],
+                                    add_special_tokens=False).ids)
+        assert abs(n_free - budget) <= 1 and len(ids) > len(close)
+        assert evs[-1].usage["completion_tokens"] == 60  # the answer continues after the close
+    finally:
+        eng.stop()

@@ -213,10 +213,10 @@ def parse_tool_choice(raw: Any) -> bool:
     raise bad_request(f"unknown tool_choice type {t!r}", param="tool_choice.type")
 
 
-def parse_thinking(raw: Any) -> tuple[Optional[bool], bool]:
-    """-> (enable_thinking or None for the server default, omit the thinking text)."""
+def parse_thinking(raw: Any) -> tuple[Optional[bool], bool, Optional[int]]:
+    """-> (enable_thinking or None for the server default, omit the thinking text, budget_tokens)."""
     if raw is None:
-        return None, False
+        return None, False, None
     if not isinstance(raw, dict):
         raise bad_request("thinking must be an object", param="thinking")
     t = raw.get("type")
@@ -226,9 +226,9 @@ def parse_thinking(raw: Any) -> tuple[Optional[bool], bool]:
                           param="thinking.display")
     omit = display == "omitted"
     if t == "disabled":
-        return False, False
+        return False, False, None
     if t in ("adaptive", "between_tools"):
-        return True, omit
+        return True, omit, None
     if t == "enabled":
         budget = get_int(raw, "budget_tokens", param="thinking.budget_tokens")
         if budget is None:
@@ -237,7 +237,7 @@ def parse_thinking(raw: Any) -> tuple[Optional[bool], bool]:
         if budget < _MIN_THINKING_BUDGET:
             raise bad_request(f"thinking.budget_tokens must be >= {_MIN_THINKING_BUDGET}, got {budget}",
                               param="thinking.budget_tokens")
-        return True, omit
+        return True, omit, budget
     raise bad_request(f"thinking.type must be 'enabled', 'disabled', 'adaptive' or 'between_tools', got {t!r}",
                       param="thinking.type")
 
@@ -268,7 +268,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     messages = parse_messages(body.get("messages"), system)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
-    thinking, omit_thinking = parse_thinking(body.get("thinking"))
+    thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"))
     effort = parse_output_config(body.get("output_config"))
     layer: dict = {}
     names = {"stop": "stop_sequences"}
@@ -288,7 +288,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     stream = bool(get_bool(body, "stream", False))
     inp = ChatInputs(messages=messages, tools=tools if allow_calls else None,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
-                     sampling=layer, param_names=names, session_key=session,
+                     sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
                      template_kwargs={"reasoning_effort": effort} if effort else {})
     return inp, model or "", stream, omit_thinking
 
@@ -414,7 +414,8 @@ async def messages(request: Request):
     inp, model, stream, omit_thinking = parse_request(body)
     model = model or state.config.model_id
     prep = await gen.prepare_chat(state, inp)
-    handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key)
+    handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key,
+                              extra=prep.request_fields())
     headers = {"request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)

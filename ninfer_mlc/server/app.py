@@ -202,6 +202,8 @@ def check_flags(args, manifest) -> dict:
         raise _cli_error(f"--stats-port must be in 0..65535 (0 = off), got {args.stats_port}")
     if args.stats_port and args.stats_port == args.port:
         raise _cli_error("--stats-port must differ from --port")
+    if getattr(args, "default_thinking_budget", None) is not None and args.default_thinking_budget < 1:
+        raise _cli_error(f"--default-thinking-budget must be >= 1, got {args.default_thinking_budget}")
     if not args.max_request_mib > 0:
         raise _cli_error(f"--max-request-mib must be > 0, got {args.max_request_mib}")
     if args.default_max_tokens < 1:
@@ -290,6 +292,7 @@ def load_state(args, engine: Any = None) -> ServerState:
         enable_thinking=not args.no_thinking,
         preserve_thinking=args.preserve_thinking,
         tolerant_tool_calls=args.tolerant_tool_calls,
+        default_thinking_budget=getattr(args, "default_thinking_budget", None),
         sampling_overrides=parts["overrides"],
         family=cfg.get("family") or cfg.get("model_type"),
         request_log_path=args.request_log_jsonl,

@@ -42,6 +42,7 @@ class ChatInputs:
     sampling: dict = field(default_factory=dict)  # SamplingParams field -> request value
     param_names: dict = field(default_factory=dict)  # SamplingParams field -> request spelling
     session_key: Optional[str] = None
+    thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
 
 
 @dataclass
@@ -53,6 +54,12 @@ class Prepared:
     started_in_think: bool
     tools: Optional[list[dict]]  # for the tool-call parser; None = no parsing
     session_key: Optional[str] = None
+    thinking_budget: Optional[int] = None  # enforced by the engine while the reply is reasoning
+
+    def request_fields(self) -> dict:
+        """Engine-side extras: KV identity of the template mode, the reasoning budget."""
+        return {"cache_mode": "think" if self.thinking else "nothink", "thinking_budget": self.thinking_budget,
+                "started_in_think": self.started_in_think}
 
 
 def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
@@ -97,7 +104,9 @@ def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
     params = resolve_params(state, inp.sampling, inp.param_names, thinking)
     ids = encode(state, text)
     tools = inp.tools if (inp.tools and inp.parse_tools) else None
-    return Prepared(text, ids, params, thinking, prompt_opens_think(text), tools, inp.session_key)
+    budget = inp.thinking_budget if inp.thinking_budget is not None else state.config.default_thinking_budget
+    return Prepared(text, ids, params, thinking, prompt_opens_think(text), tools, inp.session_key,
+                    budget if thinking else None)
 
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:
@@ -280,12 +289,14 @@ async def collect(events: AsyncIterator) -> Collected:
 
 # ---- running ----------------------------------------------------------------------------
 async def submit(state, receive, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                 session_key: Optional[str] = None, prompt_param: str = "messages") -> Optional[RequestHandle]:
+                 session_key: Optional[str] = None, prompt_param: str = "messages",
+                 extra: Optional[dict] = None) -> Optional[RequestHandle]:
     """Queue a request and wait for admission (errors become APIError with the engine's
     status); ``None`` when the client disconnected while waiting."""
     loop = asyncio.get_running_loop()
     try:
-        handle = state.engine.submit(GenRequest(prompt_ids, params, request_id, session_key), loop=loop)
+        handle = state.engine.submit(GenRequest(prompt_ids, params, request_id, session_key, **(extra or {})),
+                                     loop=loop)
     except EngineError as e:
         raise from_engine(e, prompt_param) from None
     try:

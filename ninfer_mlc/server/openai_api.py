@@ -343,7 +343,8 @@ async def chat_completions(request: Request):
     inp, stream, include_usage = parse_chat(state, body)
     prep = await gen.prepare_chat(state, inp)
     want_lp = bool(prep.params.logprobs or prep.params.top_logprobs)
-    handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key)
+    handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key,
+                              extra=prep.request_fields())
     headers = {"x-request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)

@@ -23,6 +23,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-log-jsonl", default=None, help="append one JSON line per finished request")
     p.add_argument("--no-thinking", action="store_true", help="default enable_thinking=false")
     p.add_argument("--preserve-thinking", action="store_true", help="keep reasoning of earlier assistant turns in prompts")
+    p.add_argument("--default-thinking-budget", type=int, default=None,
+                   help="reasoning tokens before the engine closes </think> itself (requests may set their own)")
     p.add_argument("--tolerant-tool-calls", action="store_true", help="recover malformed tool calls")
     p.add_argument("--chat-template", default=None, help="Jinja chat template file overriding the model's")
     p.add_argument("--cors", action="store_true", help="permissive CORS headers")

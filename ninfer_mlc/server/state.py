@@ -20,6 +20,7 @@ class ServerConfig:
     enable_thinking: bool = True  # default when a request does not say (--no-thinking flips it)
     preserve_thinking: bool = False  # keep reasoning of closed assistant turns (--preserve-thinking)
     tolerant_tool_calls: bool = False
+    default_thinking_budget: Optional[int] = None  # --default-thinking-budget (reasoning tokens)
     sampling_overrides: dict = field(default_factory=dict)  # process-level flags (--temperature ...)
     family: Optional[str] = None  # model family for sampling presets
     keepalive_s: float = 5.0
