@@ -287,12 +287,7 @@ class Qwen3xForCausalLM(nn.Module):
         return x, kv_pool, conv_pool, ssm_pool
 
     def _logits(self, h):
-        h = self.model.norm(h)
-        if self.cfg.tie_word_embeddings:
-            logits = op.matmul(h, op.permute_dims(self.model.embed_tokens.weight))
-        else:
-            logits = self.lm_head(h)
-        return logits.astype("float32")
+        return self._head(self.model.norm(h))
 
     def prefill(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
                 kv_pool, conv_pool, ssm_pool):

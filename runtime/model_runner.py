@@ -213,23 +213,9 @@ class ModelRunner:
     def prefill(self, batch: list[tuple[SeqKV, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
         """Run a chunk of tokens for each (seq, tokens); returns per-sequence logits
         ([V] for the last token, or [len, V] with all_logits)."""
-        batch = [(s, t) for s, t in batch]
-        if not batch or any(len(t) == 0 for _, t in batch):
-            raise ValueError("prefill needs at least one token per sequence")
-        for s, t in batch:
-            self.reserve(s, len(t))
-        toks = np.concatenate([np.asarray(t, np.int32) for _, t in batch])
-        self._check_tokens(toks)
-        lens = [len(t) for _, t in batch]
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        pos = np.concatenate([np.arange(s.length, s.length + len(t)) for s, t in batch]).astype(np.int32)
-        tseq = np.repeat(np.arange(len(batch)), lens).astype(np.int32)
+        args, cu = self._ragged(batch)
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
-        seqs = [s for s, _ in batch]
-        out = self.vm["prefill"](
-            self._tensor(toks), self._tensor(pos), self._tensor(tseq), self._tensor(cu),
-            self._tensor(self._page_table(seqs)), self._tensor([s.slot for s in seqs]), self._tensor(rows),
-            self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
+        out = self.vm["prefill"](*args, self._tensor(rows), self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
         logits = out[0].numpy()
         for s, t in batch:
             s.length += len(t)
