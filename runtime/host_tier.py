@@ -1,15 +1,15 @@
 """Host tier storage: buffers behind the HostArena's extents and slots, plus transfer counters.
 
 The arena decides placement and growth; this module owns the bytes. Each arena chunk is one
-host buffer (pinned on CUDA builds when available) of whole KV pages; each state slot holds one
-sequence's conv tail and SSM state. Every copy is counted (pages, bytes, seconds) for /stats.
+host tensor of whole KV pages, page-locked (cudaMallocHost through TVM's cuda_host device) when
+the model runs on CUDA, so page and state copies are direct DMA between views; each host state
+slot holds one sequence's conv tail and SSM state. Every copy is counted (pages, bytes, seconds)
+for /stats.
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
-
-import numpy as np
 
 from .host_arena import Allocation, HostArena
 
@@ -18,11 +18,13 @@ class HostTier:
     def __init__(self, runner, host_kv_mib: float, host_state_slots: int, host_ram_reserve_mib: float,
                  meminfo_reader=None):
         self.runner = runner
-        self.page_shape = runner.kv_shape[1:]
-        self.kv_dtype = runner._np_kv
+        self.page_shape = tuple(runner.kv_shape[1:])
         self.state_bytes = runner.conv_slot_bytes + runner.ssm_slot_bytes
-        self._chunks: dict[int, np.ndarray] = {}
-        self._states: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        tvm = runner.tvm
+        self.host_dev = tvm.runtime.device(3, 0) if runner.device_kind == "cuda" else tvm.cpu()  # 3 = cuda_host
+        self._empty = tvm.runtime.empty
+        self._chunks: dict = {}
+        self._states: dict = {}  # host slot -> (conv tensor, ssm tensor), reused across stores
         kw = {"meminfo_reader": meminfo_reader} if meminfo_reader else {}
         self.arena = HostArena(
             ceiling_bytes=int(host_kv_mib * 2**20), page_bytes=runner.page_bytes, state_slot_bytes=self.state_bytes,
@@ -38,32 +40,32 @@ class HostTier:
                           kv_d2d_seconds=0.0, state_d2d_seconds=0.0)
 
     def _on_grow(self, chunk) -> bool:
-        self._chunks[chunk.index] = np.zeros((chunk.n_pages,) + tuple(self.page_shape), self.kv_dtype)
+        self._chunks[chunk.index] = self._empty((chunk.n_pages,) + self.page_shape, self.runner.kv_pool.dtype,
+                                                self.host_dev)
         return True
 
-    # ---- KV pages ----------------------------------------------------------------------
-    def _page_slices(self, alloc: Allocation):
-        for off, n in alloc.extents:
-            while n > 0:
-                ci, pi = self.arena.locate(off)
-                buf = self._chunks[ci]
-                take = min(n, buf.shape[0] - pi)
-                yield buf, pi, take
-                off += take
-                n -= take
+    def _host_page(self, buf, i: int):
+        return buf._create_view(self.page_shape, buf.dtype, i * self.runner.page_bytes)
 
+    def _host_pages(self, alloc: Allocation):
+        """Host page views of an allocation, in logical page order."""
+        for off, n in alloc.extents:
+            for k in range(n):
+                ci, pi = self.arena.locate(off + k)
+                yield self._host_page(self._chunks[ci], pi)
+
+    # ---- KV pages ----------------------------------------------------------------------
     def store_pages(self, pages: list[int]) -> Optional[Allocation]:
         """Copy device pages to the host; None when the host tier has no room."""
-        alloc = self.arena.alloc_pages(len(pages)) if pages else None
-        if pages and alloc is None:
+        if not pages:
+            return None
+        alloc = self.arena.alloc_pages(len(pages))
+        if alloc is None:
             return None
         t0 = time.perf_counter()
-        data = self.runner.read_pages(pages)
-        i = 0
-        if alloc is not None:
-            for buf, pi, take in self._page_slices(alloc):
-                buf[pi:pi + take] = data[i:i + take]
-                i += take
+        for p, dst in zip(pages, self._host_pages(alloc)):
+            self.runner.page_view(p).copyto(dst)
+        self.runner.sync()
         self.stats["kv_d2h_pages"] += len(pages)
         self.stats["kv_d2h_bytes"] += len(pages) * self.runner.page_bytes
         self.stats["kv_d2h_seconds"] += time.perf_counter() - t0
@@ -73,8 +75,9 @@ class HostTier:
         if alloc is None:
             return
         t0 = time.perf_counter()
-        parts = [buf[pi:pi + take] for buf, pi, take in self._page_slices(alloc)]
-        self.runner.write_pages(dst_pages, np.concatenate(parts) if len(parts) > 1 else parts[0])
+        for src, p in zip(self._host_pages(alloc), dst_pages):
+            src.copyto(self.runner.page_view(p))
+        self.runner.sync()
         self.stats["kv_h2d_pages"] += len(dst_pages)
         self.stats["kv_h2d_bytes"] += len(dst_pages) * self.runner.page_bytes
         self.stats["kv_h2d_seconds"] += time.perf_counter() - t0
@@ -89,7 +92,13 @@ class HostTier:
         if hs is None:
             return None
         t0 = time.perf_counter()
-        self._states[hs] = self.runner.read_state(dev_slot)
+        conv, ssm = self.runner.state_views(dev_slot)
+        if hs not in self._states:
+            self._states[hs] = (self._empty(conv.shape, conv.dtype, self.host_dev),
+                                self._empty(ssm.shape, ssm.dtype, self.host_dev))
+        conv.copyto(self._states[hs][0])
+        ssm.copyto(self._states[hs][1])
+        self.runner.sync()
         self.stats["state_d2h_count"] += 1
         self.stats["state_d2h_bytes"] += self.state_bytes
         self.stats["state_d2h_seconds"] += time.perf_counter() - t0
@@ -97,16 +106,20 @@ class HostTier:
 
     def load_state(self, host_slot: int, dev_slot: int) -> None:
         t0 = time.perf_counter()
-        conv, ssm = self._states[host_slot]
-        self.runner.write_state(dev_slot, conv, ssm)
+        conv, ssm = self.runner.state_views(dev_slot)
+        self._states[host_slot][0].copyto(conv)
+        self._states[host_slot][1].copyto(ssm)
+        self.runner.sync()
         self.stats["state_h2d_count"] += 1
         self.stats["state_h2d_bytes"] += self.state_bytes
         self.stats["state_h2d_seconds"] += time.perf_counter() - t0
 
     def free_state(self, host_slot: int) -> None:
-        self._states.pop(host_slot, None)
         self.arena.free_state_slot(host_slot)
-        self.arena.shrink_state_slots()
+        released = self.arena.shrink_state_slots()
+        if released:  # trailing slots left the pool: drop their pinned buffers
+            for hs in [h for h in self._states if h >= self.arena.state_slots_capacity]:
+                del self._states[hs]
 
     # ---- device-side copies (checkpoints, copy-on-write) -------------------------------------
     def copy_state_d2d(self, src: int, dst: int) -> None:

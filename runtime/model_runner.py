@@ -137,6 +137,11 @@ class ModelRunner:
     def page_view(self, page: int):
         return self._view(self.kv_pool, self.kv_shape[1:], page, self._np_kv.itemsize)
 
+    def sync(self) -> None:
+        """Wait for queued device copies (host tier transfers are timed and must be complete)."""
+        if self.device_kind == "cuda":
+            self.dev.sync()
+
     def state_views(self, slot: int):
         return (self._view(self.conv_pool, self.conv_shape[1:], slot, self._np_conv.itemsize),
                 self._view(self.ssm_pool, self.ssm_shape[1:], slot, 4))
