@@ -403,11 +403,10 @@ class Engine:
             a.seq = self.kv.acquire(history, a.identity, a.req.session_key,
                                     max_reuse=len(history) if resumed else len(history) - 1)
             a.feed = history[a.seq.length:]
-            if not a.t_admit:
+            if not a.t_admit:  # first admission (a preempted request keeps its figures)
                 a.cached_tokens = a.seq.length
                 b = self._turn_boundary(a.req.prompt_ids)
                 a.ckpt_at = b if b is not None and a.seq.length < b < len(a.req.prompt_ids) else None
-            if not a.t_admit:
                 a.t_admit = time.monotonic()
                 q_ms = (a.t_admit - a.t_submit) * 1000
                 self.stats["queue_time_ms_last"] = q_ms
@@ -566,7 +565,9 @@ class Engine:
         self._active.pop(a.rid, None)
         spec_t = self.spec.on_finish(a) if self.spec is not None else {}  # before the state is released
         if a.seq is not None:
-            self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key)
+            # an engine error may have interrupted an in-place forward: never cache that state
+            self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key,
+                            keep=reason != "error")
             a.seq = None
         if not a.handle.admitted.is_set():
             a.handle._admit(None)
