@@ -143,8 +143,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     kv = KV_DTYPES[kv_dtype] if kv_dtype else dtype
     if kv == "nvfp4" and cfg.head_dim % 16:
         raise ConfigError(f"--kv-dtype nvfp4 needs head_dim % 16 == 0 (head_dim is {cfg.head_dim})")
-    if kv != dtype and tspec.kind != "llvm":  # the CUDA kernels keep pages in the activation dtype so far
-        raise ConfigError(f"--kv-dtype {kv_dtype} is only implemented for --target llvm so far")
+    if kv != dtype and tspec.kind not in ("llvm", "cuda"):
+        raise ConfigError(f"--kv-dtype {kv_dtype} is only implemented for --target llvm and cuda so far")
     if kv_hadamard and cfg.head_dim & (cfg.head_dim - 1):
         raise ConfigError(f"--kv-hadamard needs a power-of-two head_dim (head_dim is {cfg.head_dim})")
     inv_freq, factor, rope_info = rope_tables_for(cfg, rope_overrides or {})

@@ -15,23 +15,70 @@ Three launches inside the one prim_func (stream order is the barrier between the
      ~target_blocks blocks are busy; prefill (large n) gets nsplit = 1 and writes `out` directly.
   3. combine: grid (n, Hq): merge the nsplit partial (acc, max, sum) triples (no-op if nsplit=1).
 The split partials live in a workspace allocated inside the function (TVMBackendAllocWorkspace).
+
+Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and bit-identical page
+bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
+for nvfp4 a lane per 16-element block (amax, E4M3 scale, E2M1 codes, packed bytes), for fp8 the
+lanes split the row, reduce the row amax with shuffles and write the E4M3 codes and the E8M0 byte.
+The attend launch dequantizes each element to fp32 as it loads it. TVM compiles CUDA with
+--use_fast_math (approximate division, flush-to-zero), so the encoders use IEEE __fdiv_rn and find
+amax by comparing integer bit patterns (subnormals and NaN handled like the llvm kernel).
 """
 from __future__ import annotations
 
+from tvm import tirx
 from tvm.script import tirx as T
 
+from ..attention_quant import (
+    FP8_ROW_PAD, QUANT_KV_DTYPES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_decode_abs, e4m3_encode,
+    e4m3_encode_abs, kv_pool_layout, pow2_from_e8m0,
+)
+
 NEG_BIG = -3.0e38
+NVFP4_BLOCK = 16
+
+
+def _u32(v):
+    return tirx.const(v, "uint32")
+
+
+def _fdiv_rn(a, b):
+    """IEEE round-to-nearest fp32 division (TVM builds CUDA with --use_fast_math)."""
+    return tirx.call_pure_extern("float32", "__fdiv_rn", a, b)
+
+
+def _abs_bits(x):
+    """|x| as uint32 bits; NaN maps to 0 (ignored by amax like the llvm kernel's fabs compare)."""
+    au = tirx.reinterpret("uint32", x) & _u32(0x7FFFFFFF)
+    return tirx.Select(au > _u32(0x7F800000), _u32(0), au)
+
+
+def _fp8_exponent_bits(ab):
+    """E8M0 byte for a row whose amax has bits ab (attention_quant.fp8_row_exponent_tir, but with an
+    integer zero test so a subnormal amax is not flushed)."""
+    b = tirx.Cast("int32", ab >> _u32(23)) - 8 + tirx.Cast("int32", (ab & _u32(0x7FFFFF)) > _u32(0x600000))
+    b = tirx.max(tirx.min(b, 253), 1)
+    return tirx.Select(ab > _u32(0), tirx.Cast("uint32", b), _u32(127))
+
+
+def _nvfp4_code(x, scale):
+    return tirx.Select(scale > tirx.const(0.0, "float32"), e2m1_encode(_fdiv_rn(x, scale)), _u32(0))
 
 
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264,
 ):
-    """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages. The quantised page
-    formats (fp8, nvfp4) have no CUDA kernel yet."""
+    """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages, or the quantized
+    uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel)."""
     kv_dt = kv_dtype or dtype
-    if kv_dt not in ("float32", "bfloat16", "float16"):
-        raise NotImplementedError(f"CUDA paged attention has no kernel for {kv_dt} KV pages yet")
+    quant = kv_dt in QUANT_KV_DTYPES
+    if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
+        raise NotImplementedError(f"CUDA paged attention has no kernel for {kv_dt} KV pages")
+    pool_dt, row_bytes = kv_pool_layout(kv_dt, head_dim)
+    nvfp4 = kv_dt == "nvfp4"
+    half = head_dim // 2
+    nblk = head_dim // NVFP4_BLOCK
     group = n_heads // n_kv
     D = head_dim
     PS = page_size
@@ -47,6 +94,22 @@ def paged_attention(
     HW = (group + W - 1) // W  # heads per warp in the softmax step
     APPEND_T = min(D, 256)
     neg_big = NEG_BIG
+
+    def load(pool, pg, layer, c, h, slot, d):
+        """fp32 value of element d of a page row (dequantized for fp8 / nvfp4)."""
+        if not quant:
+            return T.Cast("float32", pool[pg, layer, c, h, slot, d])
+        if nvfp4:
+            byte = tirx.Cast("uint32", pool[pg, layer, c, h, slot, d // 2])
+            code = (byte >> (tirx.Cast("uint32", d % 2) * _u32(4))) & _u32(15)
+            sf = e4m3_decode_abs(tirx.Cast("uint32", pool[pg, layer, c, h, slot, half + d // NVFP4_BLOCK]))
+            return e2m1_decode(code) * sf
+        code = tirx.Cast("uint32", pool[pg, layer, c, h, slot, d])
+        return e4m3_decode(code) * pow2_from_e8m0(tirx.Cast("uint32", pool[pg, layer, c, h, slot, head_dim]))
+
+    def src(k, v, c, i, h, d):
+        """fp32 K (c=0) or V (c=1) element of this call."""
+        return T.if_then_else(c == 0, T.Cast("float32", k[i, h, d]), T.Cast("float32", v[i, h, d]))
 
     def _nsplit(n, p):
         """int32 number of KV splits; n, p are the int64 shape vars."""
@@ -77,20 +140,66 @@ def paged_attention(
         pos = T.match_buffer(var_pos, (n,), "int32")
         tseq = T.match_buffer(var_tseq, (n,), "int32")
         pt = T.match_buffer(var_pt, (b, p), "int32")
-        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, head_dim), kv_dt)
+        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, row_bytes), pool_dt)
         out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
         ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
         ws_ml = T.alloc_buffer((_ws_size(n, p, 2),), "float32", scope="global")
         # ---- 1. append this call's K/V ---------------------------------------------------------
-        for i in T.thread_binding(n, thread="blockIdx.x"):
-            for h in T.thread_binding(n_kv, thread="blockIdx.y"):
-                for tx in T.thread_binding(APPEND_T, thread="threadIdx.x"):
-                    for d0 in range((D + APPEND_T - 1) // APPEND_T):
-                        if d0 * APPEND_T + tx < D:
-                            pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size,
-                                 d0 * APPEND_T + tx] = T.Cast(kv_dt, k[i, h, d0 * APPEND_T + tx])
-                            pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
-                                 d0 * APPEND_T + tx] = T.Cast(kv_dt, v[i, h, d0 * APPEND_T + tx])
+        if quant:
+            # one warp per (token, KV head): lanes 0-31 handle K, then V (c), of one row
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for ln in T.thread_binding(32, thread="threadIdx.x"):
+                        ab = T.alloc_buffer((1,), "uint32", scope="local")
+                        sfq = T.alloc_buffer((1,), "float32", scope="local")
+                        eb = T.alloc_buffer((1,), "uint32", scope="local")
+                        xs = T.alloc_buffer((max(NVFP4_BLOCK, D // 32),), "float32", scope="local")
+                        for c in range(2):
+                            if nvfp4:
+                                for b0 in range((nblk + 31) // 32):
+                                    if b0 * 32 + ln < nblk:
+                                        ab[0] = T.uint32(0)
+                                        for e in T.unroll(NVFP4_BLOCK):
+                                            xs[e] = src(k, v, c, i, h, (b0 * 32 + ln) * NVFP4_BLOCK + e)
+                                            ab[0] = T.max(ab[0], _abs_bits(xs[e]))
+                                        eb[0] = e4m3_encode_abs(
+                                            _fdiv_rn(T.reinterpret("float32", ab[0]), T.float32(6.0)))
+                                        pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                             half + b0 * 32 + ln] = T.Cast("uint8", eb[0])
+                                        sfq[0] = e4m3_decode_abs(eb[0])
+                                        for j in T.unroll(NVFP4_BLOCK // 2):
+                                            pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                                 (b0 * 32 + ln) * (NVFP4_BLOCK // 2) + j] = T.Cast(
+                                                "uint8",
+                                                _nvfp4_code(xs[2 * j], sfq[0])
+                                                | (_nvfp4_code(xs[2 * j + 1], sfq[0]) << T.uint32(4)))
+                            else:
+                                ab[0] = T.uint32(0)
+                                for e in T.unroll(D // 32):
+                                    xs[e] = src(k, v, c, i, h, e * 32 + ln)
+                                    ab[0] = T.max(ab[0], _abs_bits(xs[e]))
+                                for o in T.unroll(5):
+                                    ab[0] = T.max(ab[0], T.tvm_warp_shuffle_xor(
+                                        T.uint32(0xFFFFFFFF), ab[0], 16 >> o, 32, 32))
+                                eb[0] = _fp8_exponent_bits(ab[0])
+                                # 2^-e as an exact power of two: biased exponent 254 - b
+                                sfq[0] = pow2_from_e8m0(T.uint32(254) - eb[0])
+                                for e in T.unroll(D // 32):
+                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                         e * 32 + ln] = T.Cast("uint8", e4m3_encode(xs[e] * sfq[0]))
+                                if ln < FP8_ROW_PAD:
+                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                         head_dim + ln] = T.Cast("uint8", T.Select(ln == 0, eb[0], T.uint32(0)))
+        else:
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for tx in T.thread_binding(APPEND_T, thread="threadIdx.x"):
+                        for d0 in range((D + APPEND_T - 1) // APPEND_T):
+                            if d0 * APPEND_T + tx < D:
+                                pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size,
+                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, k[i, h, d0 * APPEND_T + tx])
+                                pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
+                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, v[i, h, d0 * APPEND_T + tx])
         # ---- 2. attend (split over KV pages) ----------------------------------------------------
         for i in T.thread_binding(n, thread="blockIdx.x"):
             for g in T.thread_binding(n_kv, thread="blockIdx.y"):
@@ -134,7 +243,7 @@ def paged_attention(
                             for j0 in range((PS + W - 1) // W):
                                 if j0 * W + w < tl:
                                     for e in T.unroll(DL):
-                                        kreg[e] = T.Cast("float32", pool[page, layer, 0, g, j0 * W + w, e * 32 + lane])
+                                        kreg[e] = load(pool, page, layer, 0, g, j0 * W + w, e * 32 + lane)
                                     for hh in T.unroll(group):
                                         red[0] = T.float32(0)
                                         for e in T.unroll(DL):
@@ -175,7 +284,7 @@ def paged_attention(
                                     acc[hh, dd] = acc[hh, dd] * al[hh]
                             for jj in range(tl):
                                 for dd in T.unroll(DT):
-                                    red[0] = T.Cast("float32", pool[page, layer, 1, g, jj, dd * NT + tx])
+                                    red[0] = load(pool, page, layer, 1, g, jj, dd * NT + tx)
                                     for hh in T.unroll(group):
                                         acc[hh, dd] = acc[hh, dd] + pb[hh, jj] * red[0]
                             T.tvm_storage_sync("shared")

@@ -59,8 +59,8 @@ def kernel_params(arch: str | None = None) -> dict:
 
 
 def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNamespace:
-    """kv_dtype: KV page dtype (None = activation dtype). float32/bfloat16/float16 pages have CUDA
-    kernels; fp8/nvfp4 pages raise NotImplementedError when the attention kernel is made."""
+    """kv_dtype: KV page dtype (None = activation dtype): float32 / bfloat16 / float16, or the
+    quantized fp8 / nvfp4 page rows (same layout and bytes as the llvm kernel)."""
     p = kernel_params(arch)
     cp = p["chunked_delta_rule"]
 
