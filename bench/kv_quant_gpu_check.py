@@ -226,7 +226,9 @@ def _same_written(got, ref, length) -> float:
 
 
 def cmd_check(prep: Path, out_json: Path) -> int:
-    import tvm
+    from ninfer_mlc.runtime.tvm_loader import import_tvm
+
+    tvm = import_tvm("cuda")  # runtime-only TVM needs the CUDA loader registered by hand
 
     from ninfer_mlc.runtime.model_runner import ModelRunner
 
