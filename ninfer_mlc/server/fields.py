@@ -58,58 +58,41 @@ def request_id(request: Request) -> str:
     return new_id("req_")
 
 
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
+    """JSON name of a Python value's type, for error messages."""
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
             float: "number", type(None): "null"}.get(type(v), type(v).__name__)
 
 
-def get_bool(body: dict, name: str, default: Optional[bool] = None, param: Optional[str] = None) -> Optional[bool]:
+def _typed(body: dict, name: str, default: Any, param: Optional[str], ok, label: str) -> Any:
+    """body[name] if present and accepted by ``ok``; default when absent/null; else a 400 naming it."""
     v = body.get(name, None)
     if v is None:
         return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{param or name} must be a boolean, got {_type_name(v)}", param=param or name)
+    if not ok(v):
+        raise bad_request(f"{param or name} must be {label}, got {type_name(v)}", param=param or name)
     return v
+
+
+def get_bool(body: dict, name: str, default: Optional[bool] = None, param: Optional[str] = None) -> Optional[bool]:
+    return _typed(body, name, default, param, lambda v: isinstance(v, bool), "a boolean")
 
 
 def get_str(body: dict, name: str, default: Optional[str] = None, param: Optional[str] = None) -> Optional[str]:
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{param or name} must be a string, got {_type_name(v)}", param=param or name)
-    return v
+    return _typed(body, name, default, param, lambda v: isinstance(v, str), "a string")
 
 
 def get_int(body: dict, name: str, default: Optional[int] = None, param: Optional[str] = None,
             minimum: Optional[int] = None) -> Optional[int]:
-    v = body.get(name, None)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{param or name} must be an integer, got {_type_name(v)}", param=param or name)
-    if minimum is not None and v < minimum:
+    v = _typed(body, name, default, param, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+    if v is not None and minimum is not None and v < minimum:
         raise bad_request(f"{param or name} must be >= {minimum}, got {v}", param=param or name)
     return v
 
 
 def get_dict(body: dict, name: str, param: Optional[str] = None) -> Optional[dict]:
-    v = body.get(name, None)
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise bad_request(f"{param or name} must be an object, got {_type_name(v)}", param=param or name)
-    return v
+    return _typed(body, name, None, param, lambda v: isinstance(v, dict), "an object")
 
 
 def get_list(body: dict, name: str, param: Optional[str] = None) -> Optional[list]:
-    v = body.get(name, None)
-    if v is None:
-        return None
-    if not isinstance(v, list):
-        raise bad_request(f"{param or name} must be an array, got {_type_name(v)}", param=param or name)
-    return v
-
-
-def type_name(v: Any) -> str:
-    return _type_name(v)
+    return _typed(body, name, None, param, lambda v: isinstance(v, list), "an array")
