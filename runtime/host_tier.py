@@ -5,6 +5,12 @@ host tensor of whole KV pages, page-locked (cudaMallocHost through TVM's cuda_ho
 the model runs on CUDA, so page and state copies are direct DMA between views; each host state
 slot holds one sequence's conv tail and SSM state. Every copy is counted (pages, bytes, seconds)
 for /stats.
+
+With an MTP head (runner.mtp_kv_pool: one more attention layer on the same page ids) a host page
+is the main page followed by the head's page: chunk shape (n, attn_layers + 1, 2, kv_heads, 64,
+row), so a spilled prefix comes back with the head's KV too (drafts after a host restore see the
+same KV as after a device restore). The arena's page_bytes (and --host-kv-mib) count both; the
+kv_* transfer counters count the main pages, mtp_kv_{d2h,h2d}_bytes the head's.
 """
 from __future__ import annotations
 
@@ -19,6 +25,13 @@ class HostTier:
                  meminfo_reader=None):
         self.runner = runner
         self.page_shape = tuple(runner.kv_shape[1:])
+        # the MTP head's KV page (same page id, one layer) travels with the main page
+        self.mtp = getattr(runner, "mtp_kv_pool", None) is not None
+        self.mtp_page_shape = tuple(runner.mtp_kv_shape[1:]) if self.mtp else ()
+        self.mtp_page_bytes = runner.page_bytes // self.page_shape[0] * self.mtp_page_shape[0] if self.mtp else 0
+        self.host_page_bytes = runner.page_bytes + self.mtp_page_bytes
+        self._chunk_tail = ((self.page_shape[0] + self.mtp_page_shape[0],) + self.page_shape[1:]) if self.mtp \
+            else self.page_shape
         self.state_bytes = runner.conv_slot_bytes + runner.ssm_slot_bytes
         tvm = runner.tvm
         self.host_dev = tvm.runtime.device(3, 0) if runner.device_kind == "cuda" else tvm.cpu()  # 3 = cuda_host
@@ -27,7 +40,7 @@ class HostTier:
         self._states: dict = {}  # host slot -> (conv tensor, ssm tensor), reused across stores
         kw = {"meminfo_reader": meminfo_reader} if meminfo_reader else {}
         self.arena = HostArena(
-            ceiling_bytes=int(host_kv_mib * 2**20), page_bytes=runner.page_bytes, state_slot_bytes=self.state_bytes,
+            ceiling_bytes=int(host_kv_mib * 2**20), page_bytes=self.host_page_bytes, state_slot_bytes=self.state_bytes,
             min_state_slots=host_state_slots, reserve_bytes=int(host_ram_reserve_mib * 2**20),
             on_kv_grow=self._on_grow, **kw)
         for ch in self.arena.chunks():
@@ -35,17 +48,21 @@ class HostTier:
         self.stats = {k: 0 for k in (
             "kv_d2h_pages", "kv_d2h_bytes", "kv_h2d_pages", "kv_h2d_bytes", "kv_d2d_pages", "kv_d2d_bytes",
             "state_d2h_count", "state_d2h_bytes", "state_h2d_count", "state_h2d_bytes", "state_d2d_count",
-            "state_d2d_bytes")}
+            "state_d2d_bytes", "mtp_kv_d2h_bytes", "mtp_kv_h2d_bytes")}
         self.stats.update(kv_d2h_seconds=0.0, kv_h2d_seconds=0.0, state_d2h_seconds=0.0, state_h2d_seconds=0.0,
                           kv_d2d_seconds=0.0, state_d2d_seconds=0.0)
 
     def _on_grow(self, chunk) -> bool:
-        self._chunks[chunk.index] = self._empty((chunk.n_pages,) + self.page_shape, self.runner.kv_pool.dtype,
+        self._chunks[chunk.index] = self._empty((chunk.n_pages,) + self._chunk_tail, self.runner.kv_pool.dtype,
                                                 self.host_dev)
         return True
 
     def _host_page(self, buf, i: int):
-        return buf._create_view(self.page_shape, buf.dtype, i * self.runner.page_bytes)
+        """(main page view, MTP page view or None) of host page i of a chunk."""
+        off = i * self.host_page_bytes
+        main = buf._create_view(self.page_shape, buf.dtype, off)
+        return main, (buf._create_view(self.mtp_page_shape, buf.dtype, off + self.runner.page_bytes)
+                      if self.mtp else None)
 
     def _host_pages(self, alloc: Allocation):
         """Host page views of an allocation, in logical page order."""
@@ -53,6 +70,9 @@ class HostTier:
             for k in range(n):
                 ci, pi = self.arena.locate(off + k)
                 yield self._host_page(self._chunks[ci], pi)
+
+    def _device_page(self, p: int):
+        return self.runner.page_view(p), (self.runner.mtp_page_view(p) if self.mtp else None)
 
     # ---- KV pages ----------------------------------------------------------------------
     def store_pages(self, pages: list[int]) -> Optional[Allocation]:
@@ -64,10 +84,13 @@ class HostTier:
             return None
         t0 = time.perf_counter()
         for p, dst in zip(pages, self._host_pages(alloc)):
-            self.runner.page_view(p).copyto(dst)
+            for src_v, dst_v in zip(self._device_page(p), dst):
+                if src_v is not None:
+                    src_v.copyto(dst_v)
         self.runner.sync()
         self.stats["kv_d2h_pages"] += len(pages)
         self.stats["kv_d2h_bytes"] += len(pages) * self.runner.page_bytes
+        self.stats["mtp_kv_d2h_bytes"] += len(pages) * self.mtp_page_bytes
         self.stats["kv_d2h_seconds"] += time.perf_counter() - t0
         return alloc
 
@@ -76,10 +99,13 @@ class HostTier:
             return
         t0 = time.perf_counter()
         for src, p in zip(self._host_pages(alloc), dst_pages):
-            src.copyto(self.runner.page_view(p))
+            for src_v, dst_v in zip(src, self._device_page(p)):
+                if src_v is not None:
+                    src_v.copyto(dst_v)
         self.runner.sync()
         self.stats["kv_h2d_pages"] += len(dst_pages)
         self.stats["kv_h2d_bytes"] += len(dst_pages) * self.runner.page_bytes
+        self.stats["mtp_kv_h2d_bytes"] += len(dst_pages) * self.mtp_page_bytes
         self.stats["kv_h2d_seconds"] += time.perf_counter() - t0
 
     def free_pages(self, alloc: Optional[Allocation]) -> None:
@@ -133,5 +159,5 @@ class HostTier:
         t0 = time.perf_counter()
         self.runner.copy_page(src, dst)
         self.stats["kv_d2d_pages"] += 1
-        self.stats["kv_d2d_bytes"] += self.runner.page_bytes
+        self.stats["kv_d2d_bytes"] += self.runner.page_bytes  # runner.copy_page moves the MTP page too
         self.stats["kv_d2d_seconds"] += time.perf_counter() - t0

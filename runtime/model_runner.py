@@ -13,6 +13,7 @@ import numpy as np
 
 from . import safetensors_io
 from .artifact import Manifest, read_manifest
+from .cuda_graph import GraphedFunction, page_width_bucket
 from .kv_pages import OutOfPages, PageAllocator, SlotAllocator
 from .tvm_loader import device_for, import_tvm, load_vm
 
@@ -41,7 +42,9 @@ _KV_ROW = {"nvfp4": lambda d: d // 2 + d // 16, "fp8": lambda d: d + 4}
 
 class ModelRunner:
     def __init__(self, art_dir: str | Path, device: str = "auto", device_index: int = 0,
-                 kv_capacity_tokens: int | None = None, num_slots: int = 8, verify: str = "size"):
+                 kv_capacity_tokens: int | None = None, num_slots: int = 8, verify: str = "size",
+                 cuda_graphs: bool | None = None):
+        """cuda_graphs: replay decode steps as CUDA graphs (None = on for CUDA libraries)."""
         self.art_dir = Path(art_dir)
         self.manifest: Manifest = read_manifest(self.art_dir, verify=verify)
         m = self.manifest
@@ -66,6 +69,9 @@ class ModelRunner:
         self.slots = SlotAllocator(num_slots)
         self._alloc_pools(num_pages, num_slots)
         self._init_spec(num_pages)
+        self.decode_graphs = None
+        if kind == "cuda" and (cuda_graphs is None or cuda_graphs):
+            self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
 
     # ---- setup ---------------------------------------------------------------------------
     AUTO_HEADROOM = 1 << 30
@@ -175,7 +181,7 @@ class ModelRunner:
     def copy_page(self, src: int, dst: int) -> None:
         self.page_view(src).copyto(self.page_view(dst))
         if self.mtp_kv_pool is not None:  # the MTP head's KV lives on the same page ids
-            self._mtp_page_view(src).copyto(self._mtp_page_view(dst))
+            self.mtp_page_view(src).copyto(self.mtp_page_view(dst))
 
     # ---- sequences -----------------------------------------------------------------------
     def new_seq(self) -> SeqKV:
@@ -208,8 +214,8 @@ class ModelRunner:
     def _tensor(self, a, dtype="int32"):
         return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=dtype), self.dev)
 
-    def _page_table(self, seqs: list[SeqKV]) -> np.ndarray:
-        width = max(1, max(len(s.pages) for s in seqs))
+    def _page_table(self, seqs: list[SeqKV], width: int | None = None) -> np.ndarray:
+        width = width or max(1, max(len(s.pages) for s in seqs))
         pt = np.zeros((len(seqs), width), np.int32)
         for i, s in enumerate(seqs):
             pt[i, : len(s.pages)] = s.pages
@@ -234,9 +240,18 @@ class ModelRunner:
             self.reserve(s, 1)
         toks = np.asarray(tokens, np.int32)
         self._check_tokens(toks)
-        out = self.vm["decode"](
-            self._tensor(toks), self._tensor([s.length for s in seqs]), self._tensor(self._page_table(seqs)),
-            self._tensor([s.slot for s in seqs]), self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
+        positions = np.array([s.length for s in seqs], np.int32)
+        slots = np.array([s.slot for s in seqs], np.int32)
+        # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
+        # attention split count, which follows the width, is the same in both modes)
+        width = page_width_bucket(max(len(s.pages) for s in seqs)) if self.device_kind == "cuda" else None
+        pt = self._page_table(seqs, width)
+        if self.decode_graphs is not None:
+            out = self.decode_graphs([toks, positions, pt, slots],
+                                     [self.kv_pool, self.conv_pool, self.ssm_pool, self.params])
+        else:
+            out = self.vm["decode"](self._tensor(toks), self._tensor(positions), self._tensor(pt),
+                                    self._tensor(slots), self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
         for s in seqs:
             s.length += 1
         return out[0].numpy()
@@ -256,9 +271,9 @@ class ModelRunner:
         # zeroed once: a position the head never wrote (a restored prefix) must read finite values
         page = np.zeros(self.mtp_kv_shape[1:], self._np_kv)
         for p in range(num_pages):
-            self._mtp_page_view(p).copyfrom(page)
+            self.mtp_page_view(p).copyfrom(page)
 
-    def _mtp_page_view(self, page: int):
+    def mtp_page_view(self, page: int):
         return self._view(self.mtp_kv_pool, self.mtp_kv_shape[1:], page, self._np_kv.itemsize)
 
     def _ragged(self, batch):

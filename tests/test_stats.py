@@ -164,6 +164,8 @@ def test_schema_and_consistency(served):
     ld = s["load"]
     assert ld["model_id"] == "tiny-test" and ld["architecture"] and ld["target"] == eng.runner.manifest.target
     assert ld["load_seconds"] >= 0
+    assert ld["cuda_graphs"] == {"enabled": False, "graphs": 0, "replays": 0, "captures": 0, "eager": 0,
+                                 "capture_failures": 0, "evictions": 0}  # llvm library: no graphs
     assert build_stats(eng, None)["load"]["model_id"] == eng.runner.manifest.name
 
 

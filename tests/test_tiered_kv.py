@@ -195,3 +195,71 @@ def test_lookup_needs_exact_identity_even_with_session_key():
     assert cache.lookup([5, 6, 9, 8], identity_seed("think"), "s1") is None
     m = cache.lookup([5, 6, 7, 8], identity_seed("think"), "other-session")
     assert m is not None and m.length == 3
+
+
+# ---- the MTP head's KV travels with the main pages ----------------------------------------------
+def test_host_tier_moves_mtp_kv_pages():
+    runner = ModelRunner(ART, kv_capacity_tokens=1024, num_slots=3)
+    assert runner.mtp_kv_pool is not None  # the embedded tiny model ships its MTP head
+    host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
+    assert host.host_page_bytes == runner.page_bytes + host.mtp_page_bytes > runner.page_bytes
+    rng = np.random.default_rng(2)
+    pages = runner.pages.alloc(3)
+    main = rng.standard_normal((3,) + runner.kv_shape[1:]).astype(np.float32)
+    mtp = rng.standard_normal((3,) + runner.mtp_kv_shape[1:]).astype(np.float32)
+    runner.write_pages(pages, main)
+    for p, block in zip(pages, mtp):
+        runner.mtp_page_view(p).copyfrom(block)
+    alloc = host.store_pages(pages)
+    runner.pages.release(pages)
+    for p in pages:  # the freed pages get other contents
+        runner.mtp_page_view(p).copyfrom(np.zeros(runner.mtp_kv_shape[1:], np.float32))
+    back = runner.pages.alloc(3)[::-1]
+    host.load_pages(alloc, back)
+    np.testing.assert_array_equal(runner.read_pages(back), main)
+    np.testing.assert_array_equal(np.stack([runner.mtp_page_view(p).numpy() for p in back]), mtp)
+    assert host.stats["kv_d2h_bytes"] == 3 * runner.page_bytes
+    assert host.stats["mtp_kv_d2h_bytes"] == host.stats["mtp_kv_h2d_bytes"] == 3 * host.mtp_page_bytes
+
+
+def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
+    """A prompt, an unrelated request, then the first conversation continued (--spec mtp, greedy): with
+    `kv_tokens` 384 the first entry is demoted to the host while the second request reuses its device
+    pages, and comes back from the host; with 4096 it is restored from the device."""
+    opts = EngineOptions(max_concurrency=1, max_context=1024, host_kv_mib=16, host_state_slots=2,
+                         host_ram_reserve_mib=0, device_state_slots=1, spec="mtp", draft_tokens=3)
+    eng = open_engine(ART, opts, kv_capacity_tokens=kv_tokens, meminfo_reader=PLENTY)
+    if stale_mtp:  # what the host tier did before: main pages only
+        eng.kv.host.mtp = False
+    rng = np.random.default_rng(3)
+    prompt, other, extra = (rng.integers(0, 1900, n).tolist() for n in (150, 250, 20))
+
+    def ask(ids, n):
+        h = eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True)))
+        evs = list(h.iter_sync(timeout=300))
+        assert isinstance(evs[-1], Finished) and evs[-1].reason == "length", evs[-1]
+        return [t for e in evs[:-1] if hasattr(e, "token_ids") for t in e.token_ids], evs[-1]
+
+    try:
+        out1, _ = ask(prompt, 24)
+        ask(other, 24)
+        out2, fin = ask(prompt + out1 + extra, 32)
+        return out2, fin, dict(eng.kv.stats)
+    finally:
+        eng.stop()
+
+
+def test_mtp_acceptance_after_host_restore_equals_device_restore():
+    out_d, fin_d, st_d = _spec_restore_session(4096)
+    out_h, fin_h, st_h = _spec_restore_session(384)
+    assert st_d["restores_device"] == 1 and st_d["restores_host"] == 0
+    assert st_h["restores_host"] == 1 and st_h["private_owners_demoted"] >= 1
+    assert fin_h.usage["cached_tokens"] == fin_d.usage["cached_tokens"] > 150
+    assert out_h == out_d
+    acc = lambda f: (f.timings["draft_n"], f.timings["draft_n_accepted"])  # noqa: E731
+    assert fin_d.timings["draft_n"] > 0
+    assert acc(fin_h) == acc(fin_d)
+    # without the head's pages the restored prefix drafts from stale MTP KV: same output, other drafts
+    out_s, fin_s, st_s = _spec_restore_session(384, stale_mtp=True)
+    assert st_s["restores_host"] == 1 and out_s == out_d
+    assert acc(fin_s) != acc(fin_d)

@@ -275,7 +275,7 @@ def load_state(args, engine: Any = None) -> ServerState:
     if engine is None:
         from ..generate import open_engine
 
-        runner_kw: dict = {"device": args.device}
+        runner_kw: dict = {"device": args.device, "cuda_graphs": getattr(args, "cuda_graphs", "on") == "on"}
         if parts["kv_capacity"]:
             runner_kw["kv_capacity_tokens"] = parts["kv_capacity"]
         try:

@@ -29,6 +29,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", default=None, help="Jinja chat template file overriding the model's")
     p.add_argument("--cors", action="store_true", help="permissive CORS headers")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                   help="replay decode steps as CUDA graphs (CUDA libraries only)")
     p.add_argument("--log-level", default="info", choices=["trace", "debug", "info", "warning", "error", "off"])
     for name, typ in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
                       ("presence-penalty", float), ("frequency-penalty", float), ("seed", int)):

@@ -304,6 +304,7 @@ def build_stats(engine: Any, http_state: Any = None, model_id: Optional[str] = N
         "target": str(getattr(manifest, "target", "") or ""),
         "dtype": str(getattr(manifest, "dtype", "") or ""),
         "kv_dtype": str(getattr(manifest, "kv_dtype", "") or ""),
+        "cuda_graphs": _cuda_graphs(runner),
     }
 
     cache_options = {
@@ -334,6 +335,16 @@ def build_stats(engine: Any, http_state: Any = None, model_id: Optional[str] = N
         "load": load,
         "cache_options": cache_options,
     }
+
+
+def _cuda_graphs(runner: Any) -> dict:
+    """Decode CUDA-graph counters (runtime/cuda_graph.py); enabled false on CPU or with --cuda-graphs off."""
+    g = getattr(runner, "decode_graphs", None)
+    st = dict(getattr(g, "stats", {}) or {})
+    out = {"enabled": g is not None, "graphs": len(getattr(g, "_graphs", {}) or {}) if g is not None else 0}
+    for k in ("replays", "captures", "eager", "capture_failures", "evictions"):
+        out[k] = int(_num(st.get(k, 0)))
+    return out
 
 
 _DEVICE_INFO: dict = {}

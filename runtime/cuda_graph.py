@@ -1,0 +1,227 @@
+"""CUDA graphs for one VM function: capture a call once per input shape key and replay it.
+
+Why: a decode step of the 27B model is about a thousand small kernel launches. Launched one by
+one from the Relax VM they leave ~2 ms of gaps per step on an H200; a graph launches them all at
+once.
+
+How: TVM launches every kernel on the stream set for the device (tvm_ffi.use_raw_stream). We
+record one VM call on our own stream with the driver API (cuStreamBeginCapture / EndCapture,
+through ctypes: no torch, no cudart binding needed) and replay it with cuGraphLaunch. A graph
+bakes in every pointer and scalar of the recorded call, hence the contract:
+  - the small per-call inputs (token ids, positions, page table, slot ids) live in static device
+    tensors owned by the graph entry and are overwritten in place before each replay;
+  - the persistent arguments (KV/state pools, weights) must be the same objects on every call;
+  - the recorded call's outputs are kept alive by the entry (their memory is never handed out
+    again) and hold the results of each replay;
+  - intermediates came from the VM's pooled allocator; after the capture they are back in the
+    pool and may serve other calls as scratch. That is safe because all work is stream ordered,
+    the pooled allocator never frees a block (short of running out of memory), and the runner
+    copies every VM output to the host before its next call, so nothing outlives a call there;
+  - kernel scratch from TVMBackendAllocWorkspace comes from a thread-local pool that frees and
+    re-allocates its largest block when a bigger request arrives (a long prefill would move the
+    memory a graph baked in). Captures therefore run on a dedicated thread whose pool is grown
+    once, before the first capture, to WORKSPACE_BLOCKS blocks of WORKSPACE_BYTES: decode scratch
+    (attention split partials, a few MB) always fits, so that pool never frees anything, and no
+    eager call ever allocates from it.
+A key is first run eagerly (that call also sizes the allocator pools), captured the second time
+it is seen (capture records without executing; the graph is then launched once to do the step),
+and replayed afterwards. If capture fails the key is marked eager-only and the call runs eagerly.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+_CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: the VM's allocator may cudaMalloc
+_KDLCUDA = 2
+WORKSPACE_BLOCKS = 3
+WORKSPACE_BYTES = 64 << 20
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class _Driver:
+    """The handful of CUDA driver calls graphs need, through ctypes."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        vp = ctypes.c_void_p
+        for name, args in {
+            "cuStreamCreate": [ctypes.POINTER(vp), ctypes.c_uint],
+            "cuStreamSynchronize": [vp],
+            "cuStreamBeginCapture_v2": [vp, ctypes.c_int],
+            "cuStreamEndCapture": [vp, ctypes.POINTER(vp)],
+            "cuGraphInstantiateWithFlags": [ctypes.POINTER(vp), vp, ctypes.c_ulonglong],
+            "cuGraphLaunch": [vp, vp],
+            "cuGraphExecDestroy": [vp],
+            "cuGraphDestroy": [vp],
+            "cuGraphGetNodes": [vp, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_size_t)],
+            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+        }.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+
+    def check(self, rc: int, what: str) -> None:
+        if rc:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
+            raise CudaError(f"{what}: CUDA error {rc} ({(msg.value or b'?').decode()})")
+
+    def call(self, name: str, *args) -> None:
+        self.check(getattr(self.lib, name)(*args), name)
+
+
+class _Entry:
+    __slots__ = ("statics", "outputs", "graph", "exec", "nodes")
+
+    def __init__(self, statics, outputs, graph, exe, nodes):
+        self.statics, self.outputs, self.graph, self.exec, self.nodes = statics, outputs, graph, exe, nodes
+
+
+class GraphedFunction:
+    """Wrap `func(*dynamic_inputs, *persistent)` with per-key CUDA graphs.
+
+    dynamic inputs are int32 host arrays whose shapes are part of the key; persistent arguments
+    are passed the same objects on every call. Returns the VM's output tuple (for a replay: the
+    recorded call's outputs, now holding this step's results).
+    """
+
+    def __init__(self, tvm, dev, func, max_graphs: int = 48):
+        import tvm_ffi
+
+        self.tvm, self.dev, self.func, self.max_graphs = tvm, dev, func, max_graphs
+        self._use_stream = tvm_ffi.use_raw_stream
+        self.drv = _Driver()
+        dev.sync()  # makes TVM's (runtime API) primary context current on this thread
+        s = ctypes.c_void_p()
+        self.drv.call("cuStreamCreate", ctypes.byref(s), 0)  # blocking: ordered with the legacy stream
+        self.stream = s
+        self._seen: set = set()
+        self._eager_only: set = set()
+        self._graphs: OrderedDict = OrderedDict()
+        self._capture_thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graph-capture")
+        self._thread_ready = False
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_failures": 0, "evictions": 0}
+        self.last_error: str | None = None
+
+    @staticmethod
+    def key_of(inputs) -> tuple:
+        return tuple(tuple(a.shape) for a in inputs)
+
+    def _tensor(self, a):
+        return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=np.int32), self.dev)
+
+    def __call__(self, inputs: list[np.ndarray], persistent: list):
+        key = self.key_of(inputs)
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            for t, a in zip(entry.statics, inputs):
+                t.copyfrom(np.ascontiguousarray(a, dtype=np.int32))
+            self._launch(entry)
+            self.stats["replays"] += 1
+            return entry.outputs
+        if key in self._seen and key not in self._eager_only:
+            out = self._capture(key, inputs, persistent)
+            if out is not None:
+                return out
+        self._seen.add(key)
+        self.stats["eager"] += 1
+        return self.func(*[self._tensor(a) for a in inputs], *persistent)
+
+    def _launch(self, entry: _Entry) -> None:
+        self.drv.call("cuGraphLaunch", entry.exec, self.stream)
+        self.drv.call("cuStreamSynchronize", self.stream)
+
+    def _prepare_capture_thread(self) -> None:
+        """On the capture thread: make TVM's context current there and grow its workspace pool."""
+        self.dev.sync()
+        if self.dev.dlpack_device_type() != _KDLCUDA:
+            return
+        rt = self.tvm.base._LOADED_LIBS["tvm_runtime"]
+        alloc, free = rt.TVMBackendAllocWorkspace, rt.TVMBackendFreeWorkspace
+        alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
+                                                          ctypes.c_int, ctypes.c_int]
+        free.restype, free.argtypes = ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        idx = int(self.dev.index)
+        ptrs = [alloc(_KDLCUDA, idx, WORKSPACE_BYTES, 2, 32) for _ in range(WORKSPACE_BLOCKS)]
+        if not all(ptrs):
+            raise CudaError("could not reserve the graph workspace pool")
+        for p in reversed(ptrs):
+            free(_KDLCUDA, idx, p)
+
+    def _capture(self, key, inputs, persistent):
+        """Record on the capture thread (see the module docstring), then launch once here."""
+        if not self._thread_ready:
+            try:
+                self._capture_thread.submit(self._prepare_capture_thread).result()
+            except Exception as e:  # noqa: BLE001 - no graphs then
+                self._eager_only.add(key)
+                self.stats["capture_failures"] += 1
+                self.last_error = repr(e)[:300]
+                return None
+            self._thread_ready = True
+        got = self._capture_thread.submit(self._record, key, inputs, persistent).result()
+        if got is None:
+            return None
+        self._launch(got)  # capture recorded the step; this executes it
+        self.stats["replays"] += 1
+        return got.outputs
+
+    def _record(self, key, inputs, persistent):
+        statics = [self._tensor(a) for a in inputs]
+        graph = ctypes.c_void_p()
+        self.dev.sync()
+        try:
+            with self._use_stream(self.dev, self.stream.value):
+                self.drv.call("cuStreamBeginCapture_v2", self.stream, _CAPTURE_RELAXED)
+                try:
+                    outputs = self.func(*statics, *persistent)
+                finally:
+                    rc = self.drv.lib.cuStreamEndCapture(self.stream, ctypes.byref(graph))
+                self.drv.check(rc, "cuStreamEndCapture")
+            exe = ctypes.c_void_p()
+            self.drv.call("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, 0)
+        except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly from now on
+            if graph.value:
+                self.drv.lib.cuGraphDestroy(graph)
+            self._eager_only.add(key)
+            self.stats["capture_failures"] += 1
+            self.last_error = repr(e)[:300]
+            return None
+        n = ctypes.c_size_t(0)
+        self.drv.lib.cuGraphGetNodes(graph, None, ctypes.byref(n))
+        entry = _Entry(statics, outputs, graph, exe, int(n.value))
+        self._graphs[key] = entry
+        self.stats["captures"] += 1
+        while len(self._graphs) > self.max_graphs:
+            _, old = self._graphs.popitem(last=False)
+            self._destroy(old)
+            self.stats["evictions"] += 1
+        return entry
+
+    def _destroy(self, entry: _Entry) -> None:
+        self.drv.lib.cuGraphExecDestroy(entry.exec)
+        self.drv.lib.cuGraphDestroy(entry.graph)
+
+    def graph_nodes(self) -> dict:
+        """{key: kernel/memcpy nodes in its graph} (how many launches one replay replaces)."""
+        return {k: e.nodes for k, e in self._graphs.items()}
+
+    def close(self) -> None:
+        for e in self._graphs.values():
+            self._destroy(e)
+        self._graphs.clear()
+        self._capture_thread.shutdown(wait=False)
+
+
+def page_width_bucket(width: int, minimum: int = 4) -> int:
+    """Page-table width used for a decode graph: the next power of two (fewer distinct graphs;
+    the kernels read only the pages a sequence's position needs, so padding is never read)."""
+    w = max(int(width), minimum, 1)
+    return 1 << (w - 1).bit_length()

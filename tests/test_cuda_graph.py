@@ -1,0 +1,144 @@
+"""CUDA-graph wrapper logic (runtime/cuda_graph.py) with a recording fake driver.
+
+The real capture/replay runs on the GPU machine (bench/gpu_bench.py check: graph decode logits
+equal eager ones bit for bit); here: the per-key life cycle (eager, capture + launch, replay),
+static inputs refreshed in place before every replay, failure fallback and LRU eviction.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from ninfer_mlc.runtime import cuda_graph
+from ninfer_mlc.runtime.cuda_graph import GraphedFunction, page_width_bucket
+
+
+class FakeLib:
+    def __init__(self):
+        self.calls = []
+        self.fail_end = False
+        self._next = 100
+
+    def _handle(self, ptr):
+        self._next += 1
+        ctypes.cast(ptr, ctypes.POINTER(ctypes.c_void_p))[0] = self._next
+
+    def cuStreamCreate(self, ptr, flags):
+        self._handle(ptr)
+        return 0
+
+    def cuStreamBeginCapture_v2(self, s, mode):
+        self.calls.append(("begin", mode))
+        return 0
+
+    def cuStreamEndCapture(self, s, ptr):
+        self.calls.append(("end",))
+        if self.fail_end:
+            return 901  # CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+        self._handle(ptr)
+        return 0
+
+    def cuGraphInstantiateWithFlags(self, ptr, g, flags):
+        self._handle(ptr)
+        return 0
+
+    def cuGraphLaunch(self, exe, s):
+        self.calls.append(("launch", exe.value if hasattr(exe, "value") else exe))
+        return 0
+
+    def cuStreamSynchronize(self, s):
+        return 0
+
+    def cuGraphExecDestroy(self, e):
+        self.calls.append(("destroy",))
+        return 0
+
+    def cuGraphDestroy(self, g):
+        return 0
+
+    def cuGraphGetNodes(self, g, nodes, n):
+        ctypes.cast(n, ctypes.POINTER(ctypes.c_size_t))[0] = 7
+        return 0
+
+    def cuGetErrorString(self, rc, ptr):
+        return 0
+
+
+class FakeDriver(cuda_graph._Driver):
+    def __init__(self):
+        self.lib = FakeLib()
+
+
+@pytest.fixture
+def graphed(monkeypatch):
+    import tvm
+
+    monkeypatch.setattr(cuda_graph, "_Driver", FakeDriver)
+    seen = []
+
+    def func(*args):
+        seen.append([a.numpy().copy() for a in args[:2]] + list(args[2:]))
+        return ("logits", len(seen))
+
+    g = GraphedFunction(tvm, tvm.cpu(), func, max_graphs=2)
+    return g, seen
+
+
+def test_eager_then_capture_then_replay(graphed):
+    g, seen = graphed
+    persistent = ["pool"]
+    a = [np.array([1, 2], np.int32), np.zeros((2, 4), np.int32)]
+    out1 = g(a, persistent)  # first sight: eager
+    assert g.stats == {"replays": 0, "captures": 0, "eager": 1, "capture_failures": 0, "evictions": 0}
+    out2 = g([np.array([3, 4], np.int32), np.ones((2, 4), np.int32)], persistent)  # capture + one launch
+    assert g.stats["captures"] == 1 and g.stats["replays"] == 1
+    assert [c[0] for c in g.drv.lib.calls] == ["begin", "end", "launch"]
+    assert g.drv.lib.calls[0][1] == 2  # relaxed capture mode
+    assert len(seen) == 2 and seen[1][2] == "pool"  # the VM ran once under capture (recording)
+    np.testing.assert_array_equal(seen[1][0], [3, 4])
+    out3 = g([np.array([5, 6], np.int32), np.full((2, 4), 9, np.int32)], persistent)  # replay: no VM call
+    assert len(seen) == 2 and out3 is out2 and out1 != out2
+    entry = g._graphs[g.key_of(a)]
+    np.testing.assert_array_equal(entry.statics[0].numpy(), [5, 6])  # statics refreshed in place
+    np.testing.assert_array_equal(entry.statics[1].numpy(), np.full((2, 4), 9))
+    assert g.graph_nodes() == {((2,), (2, 4)): 7}
+
+
+def test_capture_failure_falls_back_to_eager_for_good(graphed):
+    g, seen = graphed
+    g.drv.lib.fail_end = True
+    a = [np.array([1], np.int32), np.zeros((1, 4), np.int32)]
+    g(a, [])
+    out = g(a, [])  # capture fails -> the same step runs eagerly (capture executed nothing)
+    assert g.stats["capture_failures"] == 1 and g.stats["eager"] == 2 and out == ("logits", 3)
+    assert "CUDA error 901" in g.last_error
+    g(a, [])
+    assert g.stats["eager"] == 3 and g.stats["captures"] == 0
+
+
+def test_lru_eviction_destroys_old_graphs(graphed):
+    g, _ = graphed
+    for b in (1, 2, 3):
+        a = [np.zeros(b, np.int32), np.zeros((b, 4), np.int32)]
+        g(a, [])
+        g(a, [])
+    assert g.stats["captures"] == 3 and g.stats["evictions"] == 1
+    assert len(g._graphs) == 2 and ((1,), (1, 4)) not in g._graphs
+    assert sum(1 for c in g.drv.lib.calls if c[0] == "destroy") == 1
+
+
+@pytest.mark.parametrize("w,want", [(1, 4), (4, 4), (5, 8), (128, 128), (129, 256), (4097, 8192)])
+def test_page_width_bucket(w, want):
+    assert page_width_bucket(w) == want
+
+
+def test_cpu_runner_has_no_graphs():
+    from pathlib import Path
+
+    from ninfer_mlc.runtime.model_runner import ModelRunner
+
+    art = Path(__file__).resolve().parent.parent / "dist" / "qwen3x-tiny"
+    r = ModelRunner(art, kv_capacity_tokens=256, num_slots=1)
+    assert r.decode_graphs is None
