@@ -71,21 +71,44 @@ def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, 
     return h.hexdigest()[:24]
 
 
+def fp4_mma_default(target: TargetSpec, weight_quant: str | None) -> bool:
+    """--fp4-mma default: on for cuda:sm_120 with NVFP4 weights (the only place it can run)."""
+    return target.kind == "cuda" and target.arch == "sm_120" and weight_quant == "nvfp4"
+
+
+def _fp4_mma_options(target: TargetSpec) -> dict:
+    """NVFP4Linear options of the FP4 MMA path: the target its decode-row GEMVs are scheduled for
+    and the schedule file's low-batch buckets (rows <= the largest keep the dequant path)."""
+    from .gpu_pipeline import schedule_for
+
+    tgt = target.tvm_target()
+    return {"target": tgt, "low_batch": schedule_for(tgt)["dlight"].get("low_batch") or []}
+
+
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
-                  kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None) -> list:
+                  kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
+                  fp4_mma: bool = False) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
+    fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
+    (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (the test suite does).
     """
     from tvm import relax
 
+    from .kernels.dequant import fp4_mma_scope
+
     kv_dtype = kv_dtype or dtype
-    model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
+    if fp4_mma and not fp4_mma_default(target, weight_quant):
+        raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
+    with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None):
+        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     cache = os.environ.get("NINFER_LIB_CACHE")
-    key = _cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
+    key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
+           + ("-fp4mma" if fp4_mma else ""))
     cached = Path(cache) / f"{key}.so" if cache else None
     if cached is not None and cached.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +153,9 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
-                  kv_dtype: str | None = None, kv_hadamard: bool = False, log=print) -> Path:
+                  kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
+                  log=print) -> Path:
+    """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     tspec = parse_target(target)
@@ -138,6 +163,14 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_MODES)}")
     dtype, weight_quant = QUANT_MODES[quant]
     dtype = dtype or ("bfloat16" if tspec.kind == "cuda" else "float32")
+    if fp4_mma in (None, "auto"):
+        use_fp4_mma = fp4_mma_default(tspec, weight_quant)
+    elif fp4_mma in (True, False, "on", "off"):
+        use_fp4_mma = fp4_mma in (True, "on")
+    else:
+        raise ConfigError(f"--fp4-mma {fp4_mma!r}: use on or off")
+    if use_fp4_mma and not fp4_mma_default(tspec, weight_quant):
+        raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"--kv-dtype {kv_dtype!r} is not supported; use one of {sorted(KV_DTYPES)}")
     kv = KV_DTYPES[kv_dtype] if kv_dtype else dtype
@@ -166,7 +199,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
     mtp = cfg.mtp_num_hidden_layers >= 1 and checkpoint_has_mtp(
         n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0])
-    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
+    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
+                          fp4_mma=use_fp4_mma)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -186,7 +220,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         name=name, config=cfg.to_dict(), target=tspec.name, dtype=dtype, kv_dtype=kv, page_size=PAGE_SIZE,
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
-        extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype},
+        extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
+                "fp4_mma": bool(use_fp4_mma)},
     ))
     log(f"wrote {out}")
     return out

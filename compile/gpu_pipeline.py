@@ -9,7 +9,10 @@ compile/kernels/cuda/registry.py):
                           both) gets one LowBatchGEMV(bucket) version per entry plus the general
                           rule's version, dispatched at run time on the row count
   dlight.overrides        {prim_func name substring: rule}: force a rule for matching funcs
-  cuda_graph              value of PassContext "relax.backend.use_cuda_graph"
+  tensor_core             TiledTensorCoreMatmul tiling (warps_m/n, frags_m/n, k_frags), measured per
+                          arch with bench/gemm_gpu_check.py
+  cuda_graph              value of PassContext "relax.backend.use_cuda_graph" (TVM's own graph rewrite;
+                          decode graphs are captured by the runtime instead, runtime/cuda_graph.py)
   kernels.*               thread/block sizes of the hand-written kernels (registry.py)
 The rule that scheduled each prim_func is returned by `last_report()` (and written next to the
 library by build tools that ask for it), so what a build did can be checked against the file.
@@ -62,11 +65,15 @@ def last_report() -> dict:
 
 
 def _make_rule(name: str, arg=None):
+    """A DLight rule or one of ours by name; arg: the rule's parameter (a dict -> keyword args)."""
     from tvm.s_tir import dlight as dl
 
-    from .kernels.cuda.tensor_core import TensorCoreMatmul
+    from .kernels.cuda.tensor_core import TensorCoreMatmul, TiledTensorCoreMatmul
 
-    cls = {"TensorCoreMatmul": TensorCoreMatmul}.get(name) or getattr(dl.gpu, name)
+    cls = {"TensorCoreMatmul": TensorCoreMatmul, "TiledTensorCoreMatmul": TiledTensorCoreMatmul}.get(name) \
+        or getattr(dl.gpu, name)
+    if isinstance(arg, dict):
+        return cls(**arg)
     return cls(arg) if arg is not None else cls()
 
 
@@ -147,7 +154,8 @@ class NinferDLight:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         cfg = self.sched["dlight"]
-        rules = [(n, _make_rule(n)) for n in cfg["rules"]]
+        rule_args = {"TiledTensorCoreMatmul": self.sched.get("tensor_core") or {}}
+        rules = [(n, _make_rule(n, rule_args.get(n))) for n in cfg["rules"]]
         overrides = [(re.compile(pat), name) for pat, name in cfg.get("overrides", {}).items()]
         target = tvm.target.Target.current(allow_none=False)
         updates = {}
@@ -176,7 +184,7 @@ class NinferDLight:
                         break
             if chosen is None:
                 raise RuntimeError(f"no DLight rule schedules prim_func {name}")
-            if chosen[1] in ("Matmul", "TensorCoreMatmul"):  # decode rows take the GEMV versions
+            if chosen[1] in ("Matmul", "TensorCoreMatmul", "TiledTensorCoreMatmul"):  # decode rows: GEMV versions
                 lb = _low_batch_version(func, target, cfg.get("low_batch"), chosen)
                 if lb is not None:
                     chosen = lb

@@ -21,6 +21,7 @@ in_proj_qkv_z, in_proj_ba) and zero-centred norm weights carry the folded +1 (co
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import numpy as np
@@ -30,7 +31,7 @@ from tvm.relax.frontend.nn import op
 
 from .config import ModelConfig
 from .kernels.attention_quant import kv_pool_layout
-from .kernels.dequant import NVFP4Linear
+from .kernels.dequant import _GEMV, NVFP4Linear
 from .kernels.registry import kernel_set
 from .nvfp4 import hadamard_matrix
 from .kernels.rope import apply_rope
@@ -42,14 +43,30 @@ def _i32(v: int):
     return tirx.IntImm("int32", v)
 
 
+# the kernel set's rms_norm factory while the model is constructed (None: relax rms_norm)
+_NORM: contextvars.ContextVar = contextvars.ContextVar("ninfer_norm", default=None)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis in fp32; the weight already includes the +1 offset."""
+    """RMSNorm over the last axis in fp32; the weight already includes the +1 offset.
+
+    With a kernel set that has rms_norm (CUDA) it is one launch instead of a cast plus a norm."""
 
     def __init__(self, dim: int, eps: float):
         self.weight = nn.Parameter((dim,), "float32")
-        self.eps = eps
+        self.dim, self.eps = dim, eps
+        self._factory = _NORM.get()
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
+        if self._factory is not None and len(x.shape) >= 2:
+            shape = list(x.shape)
+            rows = shape[0]
+            for d in shape[1:-1]:
+                rows = rows * d
+            flat = op.reshape(x, (rows, self.dim)) if len(shape) > 2 else x
+            y = op.tensor_ir_op(self._factory(self.dim, x.dtype, self.eps), "rms_norm", [flat, self.weight],
+                                nn.Tensor.placeholder((rows, self.dim), x.dtype))
+            return op.reshape(y, shape) if len(shape) > 2 else y
         y = op.rms_norm(x.astype("float32"), self.weight, axes=[-1], epsilon=self.eps)
         return y.astype(x.dtype)
 
@@ -63,6 +80,40 @@ class Weight(nn.Module):
 
 # weight format of the projections being built (None | "nvfp4"); set by Qwen3xForCausalLM
 _WEIGHT_QUANT: contextvars.ContextVar = contextvars.ContextVar("ninfer_weight_quant", default=None)
+# _GEMV (defined in kernels/dequant.py, shared with NVFP4Linear): the kernel set's gemv factory while a
+# decode-rows function is traced (decode, mtp_step) on a target that has one (CUDA): projections then run
+# as one hand-written GEMV launch with fused epilogues (NVFP4 weights: NVFP4Linear.decode_gemv)
+
+
+def _gemv(x: nn.Tensor, weight: nn.Parameter, out_dtype: str | None = None, epilogue: str = "none",
+          residual: nn.Tensor | None = None, name: str = "gemv") -> nn.Tensor | None:
+    """x[n, K] @ weight[O, K]^T (+ epilogue) through the kernel set's GEMV, or None where it does not
+    apply (not in a decode function, no gemv in the kernel set, or a shape/dtype it does not take)."""
+    factory = _GEMV.get()
+    if factory is None or len(x.shape) != 2 or len(weight.shape) != 2 or x.dtype != weight.dtype:
+        return None
+    o, k = (int(d) for d in weight.shape)
+    out_dtype = out_dtype or x.dtype
+    func = factory(k, o, x.dtype, out_dtype, epilogue)
+    if func is None:
+        return None
+    args = [x, weight] + ([residual] if residual is not None else [])
+    out = nn.Tensor.placeholder((x.shape[0], o // 2 if epilogue == "silu_mul" else o), out_dtype)
+    return op.tensor_ir_op(func, name, args, out)
+
+
+def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor | None = None) -> nn.Tensor:
+    """linear(x), or residual + linear(x) (one fused GEMV launch where the decode GEMV applies)."""
+    if residual is None:
+        return linear(x)
+    y = None
+    if isinstance(linear, Linear):
+        y = _gemv(x, linear.weight, epilogue="residual", residual=residual, name="gemv_residual")
+    elif isinstance(linear, NVFP4Linear):
+        y = linear.decode_gemv(x, epilogue="residual", residual=residual)
+    if y is not None:
+        return y
+    return residual + linear(x)
 
 
 class Linear(nn.Module):
@@ -73,6 +124,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter((o, i), dtype)
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
+        y = _gemv(x, self.weight)
+        if y is not None:
+            return y
         y = op.matmul(x, op.permute_dims(self.weight), out_dtype="float32")
         return y if self.dtype == "float32" else y.astype(self.dtype)
 
@@ -98,9 +152,17 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
 
-    def forward(self, x):
-        gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(op.silu(gate) * up)
+    def forward(self, x, residual=None):
+        """residual: return residual + mlp(x) (fused into the down projection by the decode GEMV)."""
+        h = None
+        if isinstance(self.gate_up_proj, Linear):
+            h = _gemv(x, self.gate_up_proj.weight, epilogue="silu_mul", name="gemv_silu_mul")
+        elif isinstance(self.gate_up_proj, NVFP4Linear):
+            h = self.gate_up_proj.decode_gemv(x, epilogue="silu_mul")
+        if h is None:
+            gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+            h = op.silu(gate) * up
+        return _project(self.down_proj, h, residual)
 
 
 def _hadamard(x: nn.Tensor, dim: int) -> nn.Tensor:
@@ -121,8 +183,11 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.kernel = kernels.paged_attention(hq, hkv, dh, PAGE_SIZE, n_layers or len(cfg.attn_layers), dtype,
                                               dh ** -0.5)
+        if n_layers is not None:  # the MTP head's kernel (another pool shape) needs its own symbol
+            self.kernel = self.kernel.with_attr("global_symbol", "attn_mtp")
 
-    def forward(self, x, rope, positions, token_seq, page_table, kv_pool):
+    def forward(self, x, rope, positions, token_seq, page_table, kv_pool, residual=None):
+        """residual: return residual + attention(x) (fused into o_proj by the decode GEMV)."""
         cfg = self.cfg
         n = x.shape[0]
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -141,7 +206,7 @@ class GatedAttention(nn.Module):
             [6, -1], [kv_pool, nn.Tensor.placeholder((n, hq, dh), self.dtype)],
         )
         o = o * op.sigmoid(gate)
-        return self.o_proj(op.reshape(o, (n, hq * dh))), kv_pool
+        return _project(self.o_proj, op.reshape(o, (n, hq * dh)), residual), kv_pool
 
 
 class GatedDeltaNet(nn.Module):
@@ -160,19 +225,25 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = kernels.causal_conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, n_gdn, dtype)
         self.chunk_kernel = kernels.chunked_delta_rule(hk, hv, dk, dv, n_gdn)
         self.step_kernel = kernels.recurrent_delta_rule(hk, hv, dk, dv, n_gdn)
+        fused = getattr(kernels, "gdn_decode", None)
+        self.decode_kernel = fused(hk, hv, dk, dv, n_gdn, dtype, cfg.rms_norm_eps) if fused else None
 
     def _l2norm(self, x):
         ss = op.sum(x * x, axis=[-1], keepdims=True)
         return x / op.sqrt(ss + 1e-6)
 
-    def forward(self, x, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent: bool):
+    def forward(self, x, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent: bool, residual=None):
+        """residual: return residual + gdn(x) (fused into out_proj by the decode GEMV)."""
         cfg = self.cfg
         n = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         qkv, z = op.split(self.in_proj_qkv_z(x), [cfg.conv_dim], axis=1)
         z = op.reshape(z, (n, hv, dv))
-        b, a = op.split(self.in_proj_ba(x), 2, axis=1)
+        ba = self.in_proj_ba(x)
+        if recurrent and self.decode_kernel is not None:
+            return self._fused_decode(qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual)
+        b, a = op.split(ba, 2, axis=1)
         beta = op.sigmoid(b).astype("float32")
         a = a.astype("float32")
         g = op.negative(op.exp(self.A_log)) * op.softplus(a + self.dt_bias)
@@ -200,7 +271,23 @@ class GatedDeltaNet(nn.Module):
         # gated RMSNorm: normalise in fp32, plain weight, times silu(z)
         o = op.rms_norm(o, self.norm.weight, axes=[-1], epsilon=cfg.rms_norm_eps).astype(self.dtype)
         o = (o.astype("float32") * op.silu(z.astype("float32"))).astype(self.dtype)
-        return self.out_proj(op.reshape(o, (n, cfg.value_dim))), conv_pool, ssm_pool
+        return _project(self.out_proj, op.reshape(o, (n, cfg.value_dim)), residual), conv_pool, ssm_pool
+
+    def _fused_decode(self, qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual):
+        """Decode: conv, then gates + L2 norms + recurrent step + gated RMSNorm in one launch."""
+        cfg = self.cfg
+        n = qkv.shape[0]
+        conv_pool, u = op.tensor_ir_inplace_op(
+            self.conv_kernel, "gdn_conv",
+            [qkv, cu_seqlens, slot_ids, conv_pool, self.conv1d.weight, _i32(self.slot)],
+            [3, -1], [conv_pool, nn.Tensor.placeholder((n, cfg.conv_dim), self.dtype)],
+        )
+        ssm_pool, o = op.tensor_ir_inplace_op(
+            self.decode_kernel, "gdn_decode",
+            [u, ba, z, self.A_log, self.dt_bias, self.norm.weight, slot_ids, ssm_pool, _i32(self.slot)],
+            [7, -1], [ssm_pool, nn.Tensor.placeholder((n, cfg.value_dim), self.dtype)],
+        )
+        return _project(self.out_proj, o, residual), conv_pool, ssm_pool
 
 
 class DecoderLayer(nn.Module):
@@ -257,10 +344,13 @@ class Qwen3xForCausalLM(nn.Module):
         self.kv_dtype = kv_dtype or dtype
         self.weight_quant = weight_quant
         kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
+        self._gemv_factory = getattr(kernels, "gemv", None)
         token = _WEIGHT_QUANT.set(weight_quant)
+        norm_token = _NORM.set(getattr(kernels, "rms_norm", None))
         try:
             self._build(cfg, dtype, kernels, kv_hadamard, mtp)
         finally:
+            _NORM.reset(norm_token)
             _WEIGHT_QUANT.reset(token)
 
     def _build(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool, mtp: bool) -> None:
@@ -273,9 +363,28 @@ class Qwen3xForCausalLM(nn.Module):
         if self.has_mtp:
             self.mtp = MTPHead(cfg, dtype, kernels, kv_hadamard)
 
+    @contextlib.contextmanager
+    def _decode_gemv(self):
+        """Trace a decode-rows function (rows = batch): projections through the kernel set's GEMV."""
+        token = _GEMV.set(self._gemv_factory)
+        try:
+            yield
+        finally:
+            _GEMV.reset(token)
+
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
               kv_pool, conv_pool, ssm_pool, recurrent: bool):
         rope = (self.rope_inv_freq, self.rope_attn_factor)
+        if _GEMV.get() is not None:  # residual adds fused into o_proj / out_proj / down_proj
+            for layer in self.model.layers:
+                h = layer.input_layernorm(x)
+                if layer.kind == "full_attention":
+                    x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x)
+                else:
+                    x, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool,
+                                                               recurrent, residual=x)
+                x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
+            return x, kv_pool, conv_pool, ssm_pool
         for layer in self.model.layers:
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
@@ -298,17 +407,23 @@ class Qwen3xForCausalLM(nn.Module):
         return logits, kv_pool, conv_pool, ssm_pool
 
     def decode(self, tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
-        b = tokens.shape[0]
-        rows = op.arange(0, b, dtype="int32")
-        cu = op.arange(0, b + 1, dtype="int32")
-        x = self.model.embed_tokens(tokens)
-        x, kv_pool, conv_pool, ssm_pool = self._body(
-            x, positions, rows, cu, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, True)
-        return self._logits(x), kv_pool, conv_pool, ssm_pool
+        with self._decode_gemv():
+            b = tokens.shape[0]
+            rows = op.arange(0, b, dtype="int32")
+            cu = op.arange(0, b + 1, dtype="int32")
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, rows, cu, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, True)
+            return self._logits(x), kv_pool, conv_pool, ssm_pool
 
     # ---- speculative decoding: post-norm hidden states, multi-token verification, MTP head --------
     def _head(self, hn):
         """Shared lm_head on already-normalised hidden states -> fp32 logits."""
+        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        if self.cfg.tie_word_embeddings or isinstance(self.lm_head, Linear):
+            logits = _gemv(hn, w, out_dtype="float32", name="gemv_lm_head")  # decode GEMV: fp32 out
+            if logits is not None:
+                return logits
         if self.cfg.tie_word_embeddings:
             logits = op.matmul(hn, op.permute_dims(self.model.embed_tokens.weight))
         else:
@@ -326,12 +441,14 @@ class Qwen3xForCausalLM(nn.Module):
         return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
 
     def verify(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
-        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row."""
-        x = self.model.embed_tokens(tokens)
-        x, kv_pool, conv_pool, ssm_pool = self._body(
-            x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
-        hn = self.model.norm(x)
-        return self._head(hn), hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row.
+        Rows are batch x (draft tokens + 1), few: projections take the decode GEMV where there is one."""
+        with self._decode_gemv():
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+            hn = self.model.norm(x)
+            return self._head(hn), hn.astype("float32"), kv_pool, conv_pool, ssm_pool
 
     def _mtp(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
         """MTP rows: row i pairs the main hidden h at positions[i] with the token at positions[i] + 1;
@@ -342,14 +459,20 @@ class Qwen3xForCausalLM(nn.Module):
         x = m.fc(op.concat([e, h], dim=-1))
         layer = m.layers[0]
         rope = (self.rope_inv_freq, self.rope_attn_factor)
+        if _GEMV.get() is not None:  # residual adds fused into o_proj / down_proj
+            x, mtp_kv_pool = layer.self_attn(layer.input_layernorm(x), rope, positions, token_seq, page_table,
+                                             mtp_kv_pool, residual=x)
+            x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
+            return m.norm(x), mtp_kv_pool
         a, mtp_kv_pool = layer.self_attn(layer.input_layernorm(x), rope, positions, token_seq, page_table, mtp_kv_pool)
         x = x + a
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         return m.norm(x), mtp_kv_pool
 
     def mtp_step(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
-        hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
-        return self._head(hn), hn.astype("float32"), mtp_kv_pool
+        with self._decode_gemv():
+            hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+            return self._head(hn), hn.astype("float32"), mtp_kv_pool
 
     def mtp_prefill(self, hidden, next_tokens, positions, token_seq, page_table, logit_rows, mtp_kv_pool):
         """mtp_step over many rows (prompt fill / accepted rows) with logits + hidden only at logit_rows."""

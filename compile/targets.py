@@ -2,6 +2,18 @@
 
 TVM 0.27 rejects CLI target strings, so targets are dicts. DLight only tensorizes for arch
 strings exactly "sm_90"/"sm_120" (no letter suffix), see research/tvm_probe.md Q3.
+
+nvcc arch vs TVM arch: TVM 0.27 compiles a CUDA module through the global func
+`tvm_callback_cuda_compile(code)` (tvm/support/nvcc.py), which derives `-gencode
+arch=compute_XX,code=sm_XX` from the TVM target arch. For cuda:sm_120 the NVFP4 MMA kernel
+(compile/kernels/cuda/fp4_mma.py) uses `mma.sync ... kind::mxf4nvf4.block_scale`, which ptxas
+accepts only for the arch-specific sm_120a. So while a build is inside `cuda_build_env`, that
+callback is replaced by one that passes `-gencode arch=compute_120a,code=sm_120a` (NVCC_ARCH) and
+the TVM target arch stays "sm_120" (DLight's WMMA rules and our schedule file key on it). The
+library then carries one sm_120a cubin (runs on CC 12.0 only, i.e. RTX 50xx / RTX PRO 6000
+Blackwell; no PTX for JIT). sm_90 builds keep TVM's default (sm_90).
+Set NINFER_CUDA_SOURCE_DIR=dir to keep a copy of every generated CUDA source there
+(`<arch>-<sha256[:12]>.cu`, e.g. to grep for `kind::mxf4nvf4`).
 """
 from __future__ import annotations
 
@@ -14,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _CUDA_ARCHES = {"sm_90", "sm_120"}
+# TVM target arch -> nvcc gencode arch where they differ (the FP4 MMA needs the 'a' variant)
+NVCC_ARCH = {"sm_120": "sm_120a"}
+SOURCE_DIR_ENV = "NINFER_CUDA_SOURCE_DIR"
 
 # Driver symbols libtvm_runtime_cuda.so imports; every stub fails with CUDA_ERROR_NO_DEVICE.
 _STUB_SRC = r"""
@@ -101,14 +116,44 @@ def _load_cuda_runtime(stub_dir: Path) -> None:
     _CUDA_RUNTIME_LOADED = True
 
 
+def nvcc_arch(arch: str) -> str:
+    """The sm_XX[a] nvcc compiles a TVM target arch for (sm_120 -> sm_120a)."""
+    return NVCC_ARCH.get(arch, arch)
+
+
+def _compile_callback(arch: str):
+    """tvm_callback_cuda_compile replacement: nvcc fatbin for nvcc_arch(arch), and a copy of the
+    CUDA source under $NINFER_CUDA_SOURCE_DIR when set."""
+    import hashlib
+
+    from tvm.support import nvcc
+
+    suffix = nvcc_arch(arch)[3:]
+    gencode = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
+
+    def compile_cuda(code, *_rest):
+        dump = os.environ.get(SOURCE_DIR_ENV)
+        if dump:
+            Path(dump).mkdir(parents=True, exist_ok=True)
+            digest = hashlib.sha256(code.encode()).hexdigest()[:12]
+            (Path(dump) / f"{nvcc_arch(arch)}-{digest}.cu").write_text(code)
+        return nvcc.compile_cuda(code, target_format="fatbin", arch=gencode, compiler="nvcc")
+
+    return compile_cuda
+
+
 @contextmanager
 def cuda_build_env(target):
     """Let TVM compile cubins with nvcc on a machine without a GPU.
 
     libtvm_runtime_cuda.so needs a libcuda.so.1 to load; without it TVM silently embeds raw CUDA
     source that only a full compiler install can JIT. A stub library (loaded before the TVM CUDA
-    runtime), nvcc mode and an open target scope make codegen emit real fatbins.
+    runtime), nvcc mode and an open target scope make codegen emit real fatbins. For the duration,
+    `tvm_callback_cuda_compile` is our nvcc call (gencode from NVCC_ARCH, optional source dump);
+    the previous callback is restored afterwards.
     """
+    import tvm_ffi
+
     if shutil.which("nvcc") is None:
         raise TargetError("CUDA targets need nvcc on PATH (CUDA 12.8+ for sm_120)")
     tmp = Path(tempfile.mkdtemp(prefix="ninfer_cudastub_"))
@@ -116,11 +161,20 @@ def cuda_build_env(target):
     os.environ["TVM_CUDA_COMPILE_MODE"] = "nvcc"
     if old["CUDA_PATH"] is None and Path("/usr/local/cuda/include").is_dir():
         os.environ["CUDA_PATH"] = "/usr/local/cuda"
+    prev_cb = None
     try:
         _load_cuda_runtime(tmp)
+        import tvm.support.nvcc  # noqa: F401 - registers the default callback we replace
+
+        arch = str(getattr(target, "arch", "") or "")
+        if arch.startswith("sm_"):
+            prev_cb = tvm_ffi.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_callback(arch), override=True)
         with target:
             yield
     finally:
+        if prev_cb is not None:
+            tvm_ffi.register_global_func("tvm_callback_cuda_compile", prev_cb, override=True)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -24,6 +24,7 @@ def _compile(args) -> int:
     try:
         compile_model(args.model_dir, target=args.target, quant=args.quant, max_context=args.max_context,
                       out_dir=args.output, name=args.name, kv_dtype=args.kv_dtype, kv_hadamard=args.kv_hadamard,
+                      fp4_mma=args.fp4_mma,
                       rope_overrides={"scaling_type": args.rope_scaling_type, "factor": args.rope_scaling_factor,
                                       "original_context": args.rope_scaling_original_context})
     except (ConfigError, ConversionError, TargetError) as e:
@@ -70,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "Off by default: measured on synthetic NVFP4 attention it does not help (output error "
                         "without/with: 0.136/0.134 on Gaussian K, 0.255/0.317 on K with 4 outlier channels x20; "
                         "16-element blocks already isolate outliers)")
+    c.add_argument("--fp4-mma", choices=["on", "off"], default=None,
+                   help="NVFP4 projections: prefill rows on the sm_120a block-scaled FP4 tensor cores (activations "
+                        "quantized to NVFP4 on the fly, per-token scale), decode rows keep the dequant GEMV. "
+                        "Default: on for --target cuda:sm_120 --quant nvfp4, else off (needs both)")
     c.add_argument("-o", "--output", default=None, help="output directory (default dist/NAME)")
     c.add_argument("--name", default=None)
     c.add_argument("--rope-scaling-type", choices=["linear", "yarn"], default=None)

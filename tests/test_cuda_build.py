@@ -127,3 +127,270 @@ def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, kv_dtype):
     data = (art / m["library"]).read_bytes()
     assert FATBIN_MAGIC in data, "no fatbin in the library: CUDA code was not compiled"
     assert b"__global__" not in data
+
+
+# ---- decode GEMV (compile/kernels/cuda/gemv.py) ---------------------------------------------------
+def test_gemv_kernel_set_and_contract():
+    """CUDA set: gemv factory (thread-bound, x/w[/res]/out contract, None where it does not apply);
+    llvm set: gemv=None, so llvm builds keep their relax matmuls."""
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
+
+    assert kernel_set("llvm").gemv is None
+    g = kernel_set("cuda").gemv
+    f = g(5120, 34816, "bfloat16", "bfloat16", "silu_mul")
+    assert is_thread_bound(f)
+
+    def bufs(func):
+        return [(str(list(p.shape)), str(p.dtype)) for p in func.params]
+
+    assert bufs(f) == [("[n, 5120]", "bfloat16"), ("[34816, 5120]", "bfloat16"), ("[n, 17408]", "bfloat16")]
+    r = g(100, 50, "bfloat16", "bfloat16", "residual")  # K % 8 != 0: FMA path
+    assert is_thread_bound(r) and len(bufs(r)) == 4 and bufs(r)[2] == ("[n, 50]", "bfloat16")
+    assert bufs(g(5120, 248320, "bfloat16", "float32"))[-1] == ("[n, 248320]", "float32")
+    assert is_thread_bound(g(64, 96, "float32", "float32", "none"))
+    assert g(64, 95, "bfloat16", "bfloat16", "silu_mul") is None
+    assert g(64, 96, "bfloat16", "float32", "residual") is None
+
+
+def test_gemv_only_in_decode_functions():
+    """decode / mtp_step / verify (few rows) route projections through gemv on CUDA; every other
+    function and every llvm function is unchanged."""
+    import tvm
+
+    from ninfer_mlc.compile import tiny_default
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.model import Qwen3xForCausalLM
+
+    cfg = parse_config(tiny_default.CONFIG)
+
+    def export(kind, gemv=True):
+        m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, mtp=True)
+        if not gemv:
+            m._gemv_factory = None
+        return m.export_tvm(spec=m.export_spec())[0]
+
+    with_gemv, without = export("cuda"), export("cuda", gemv=False)
+    for gv, f in with_gemv.functions_items():
+        if not isinstance(f, tvm.relax.Function):
+            continue
+        calls = set(re.findall(r"call_tir\((?:cls\.)?(gemv\w*)", f.script()))
+        if gv.name_hint in ("decode", "mtp_step", "verify"):
+            assert any("silu_mul" in c for c in calls) and any("residual" in c for c in calls), gv.name_hint
+            assert any(c.endswith("_f32") for c in calls), "lm_head with fp32 logits"
+        else:
+            assert not calls, gv.name_hint
+            tvm.ir.assert_structural_equal(f, without[gv.name_hint], map_free_vars=True)
+    llvm = export("llvm")
+    assert not [gv for gv, _ in llvm.functions_items() if "gemv" in gv.name_hint]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+def test_gemv_cuda_source_on_cpu_emulator():
+    """The generated CUDA of the gemv kernels, run on the CPU (bench/gemv_gpu_check.py emulate):
+    one std::thread per CUDA thread, mma.sync / shuffles emulated from the PTX fragment layouts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import gemv_gpu_check
+
+    rows = gemv_gpu_check.run_emulation(quick=True, log=lambda *_: None)
+    bad = [r for r in rows if not r["ok"]]
+    assert rows and not bad, bad
+
+
+# ---- chunked GDN prefill (compile/kernels/cuda/gdn.py chunked_delta_rule) -------------------------
+def test_gdn_chunk_layout():
+    """27B geometry: chunk 32, 8 lanes x 16 state rows per value column, 16 columns per block of the
+    sequential pass, 256 threads in the parallel pass; chunk 64 does not fit 48 KiB and falls back."""
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
+    from ninfer_mlc.compile.kernels.cuda import gdn
+
+    assert gdn._chunk_layout(128, 128, 32, 16, 16) == (32, 16, 8, 16, 256)
+    assert gdn._chunk_layout(128, 128, 64, 16, 16)[0] == 32
+    assert gdn._chunk_layout(16, 8, 32, 16, 16) == (32, 16, 1, 8, 32)
+    # the registry's knobs (chunk, dv_tile) are still accepted
+    assert is_thread_bound(gdn.chunked_delta_rule(16, 48, 128, 128, 2, 32, dv_tile=64))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_gdn_chunk_27b_compiles(tmp_path, arch):
+    """Both launches of the 27B gdn_chunk compile to a fatbin; on sm_90 ptxas reports no spills and
+    static shared memory within 48 KiB."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    f = kernel_set("cuda").chunked_delta_rule(16, 48, 128, 128, 48).with_attr("global_symbol", "gdn_chunk")
+    tgt = parse_target("cuda:" + arch).tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule({"gdn_chunk": f}), target=tgt)
+    ex.export_library(str(tmp_path / "gdn.so"))
+    assert FATBIN_MAGIC in (tmp_path / "gdn.so").read_bytes()
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert re.findall(r'__global__ void __launch_bounds__\((\d+)\) gdn_chunk_kernel\w*\(', src)[:2] == ["256", "128"]
+    if arch == "sm_90":
+        (tmp_path / "gdn.cu").write_text(src)
+        r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                            str(tmp_path / "gdn.cu"), "-o", str(tmp_path / "gdn.cubin")],
+                           capture_output=True, text=True, check=True)
+        assert re.findall(r"(\d+) bytes spill stores", r.stderr) == ["0", "0"], r.stderr
+        assert all(int(x) <= 48 * 1024 for x in re.findall(r"(\d+) bytes smem", r.stderr)), r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+def test_gdn_chunk_cuda_source_on_cpu_emulator():
+    """The generated CUDA of gdn_chunk run on the CPU (bench/gdn_gpu_check.py emulate: a fiber per CUDA
+    thread, barriers and xor-shuffles emulated) matches the llvm kernel on ragged rows (empty,
+    length 1, partial chunks) with 1, 4 and 8 lanes per state column."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import gdn_gpu_check
+
+    rows = gdn_gpu_check.run_emulation(quick=True, log=lambda *_: None)
+    bad = [r for r in rows if not r["ok"]]
+    assert rows and not bad, bad
+
+
+def _attn_check():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import attn_gpu_check
+
+    return attn_gpu_check
+
+
+def test_attention_reference_matches_llvm_kernel():
+    """bench/attn_gpu_check.py's float64 reference and page-byte expectations (what the GPU run
+    checks the CUDA attention against) agree with the llvm kernel: plain, fp8 and nvfp4 pages."""
+    C = _attn_check()
+    cases = {m["name"]: m for m in C.all_cases()}
+    for name in ("f32tiny_mixed", "emu_bf16_prefill", "emu_fp8_dec", "emu_nvfp4tiny"):
+        r = C.llvm_case(cases[name])
+        assert r["ok"], (name, r)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_attention_cuda_source_on_cpu_emulator():
+    """The generated CUDA of the paged attention (tensor-core path for bf16 pages, SIMT path for
+    f32 / fp8 / nvfp4) run on the CPU emulator (fibers per thread; shuffles, barriers and
+    mma.m16n8k16 emulated) matches the float64 reference; appended page bytes are exact."""
+    C = _attn_check()
+    cases = {m["name"]: m for m in C.all_cases()}
+    names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec")
+    lib = C.EmuLib(C.kernel_funcs(baseline=False, variants=False, tags={cases[n]["tag"] for n in names}))
+    for name in names:
+        r = C.emulate_case(cases[name], lib)
+        assert r["ok"], (name, r)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_attention_kernels_compile_without_spills(tmp_path):
+    """27B geometry: the bf16 attend kernel takes the tensor-core path with __launch_bounds__(128, 2);
+    bf16 / fp8 / nvfp4 kernels compile for sm_90 without register spills."""
+    import subprocess
+
+    ks = {f"attn_{kv or 'bf16'}": kernel_set("cuda", kv).paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16)
+          .with_attr("global_symbol", f"attn_{kv or 'bf16'}") for kv in (None, "fp8", "nvfp4")}
+    src, _ = _attn_check().cuda_source(ks)
+    assert "__launch_bounds__(128, 2) attn_bf16_kernel_1(" in src and "mma.sync.aligned.m16n8k16" in src
+    (tmp_path / "attn.cu").write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math",  # the flags TVM's nvcc path uses
+                        "--ptxas-options=-v,--register-usage-level=10", str(tmp_path / "attn.cu"),
+                        "-o", str(tmp_path / "attn.cubin")], capture_output=True, text=True, check=True)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    assert len(spills) == 9 and set(spills) == {"0"}, r.stderr
+
+
+# ---- NVFP4 decode GEMV (compile/kernels/cuda/gemv.py gemv_nvfp4) ----------------------------------
+def test_gemv_nvfp4_kernel_set_and_contract():
+    """gemv(..., weight_format="nvfp4"): thread-bound, NVFP4Linear's buffers (x, codes, block scales,
+    row scales[, res], out), tensor-core path for bf16 with K % 32 == 0, FMA path otherwise, None where it
+    does not apply; the bf16 kernels keep their names."""
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    g = kernel_set("cuda").gemv
+
+    def bufs(func):
+        return [(str(list(p.ty.shape)), str(p.dtype)) for p in func.params]
+
+    f = g(5120, 34816, "bfloat16", "bfloat16", "silu_mul", weight_format="nvfp4")
+    assert is_thread_bound(f) and f.attrs["global_symbol"] == "gemv_nvfp4_silu_mul_5120x34816_bf16"
+    assert bufs(f) == [("[n, 5120]", "bfloat16"), ("[34816, 2560]", "uint8"), ("[34816, 320]", "uint8"),
+                       ("[34816]", "float32"), ("[n, 17408]", "bfloat16")]
+    assert G.NVFP4_DQ_FUNC in f.script() and "ninfer_gemv_mma_bf16" in f.script()
+    r = g(17408, 5120, "bfloat16", "bfloat16", "residual", weight_format="nvfp4")
+    assert bufs(r)[4] == ("[n, 5120]", "bfloat16") and len(bufs(r)) == 6
+    fma = g(48, 40, "bfloat16", "bfloat16", "residual", weight_format="nvfp4")  # K % 32 != 0
+    assert is_thread_bound(fma) and G.NVFP4_DQ_FUNC not in fma.script()
+    assert is_thread_bound(g(64, 96, "float32", "float32", "silu_mul", weight_format="nvfp4"))
+    assert g(40, 96, "bfloat16", "bfloat16", weight_format="nvfp4") is None  # K % 16 != 0
+    assert g(64, 95, "bfloat16", "bfloat16", "silu_mul", weight_format="nvfp4") is None
+    assert g(64, 96, "bfloat16", "bfloat16", weight_format="int4") is None
+    assert g(5120, 14336, "bfloat16").attrs["global_symbol"] == "gemv_5120x14336_bf16"
+
+
+def test_nvfp4_decode_functions_use_gemv():
+    """--quant nvfp4 on CUDA: decode / mtp_step run every NVFP4 projection through gemv_nvfp4 (plain,
+    residual and silu_mul fused) and dequantize nothing; every other function is unchanged."""
+    import tvm
+
+    from ninfer_mlc.compile import tiny_default
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.model import Qwen3xForCausalLM
+
+    cfg = parse_config(tiny_default.CONFIG)
+
+    def export(kind, gemv=True):
+        m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, mtp=True, weight_quant="nvfp4")
+        if not gemv:
+            m._gemv_factory = None
+        return m.export_tvm(spec=m.export_spec())[0]
+
+    with_gemv, without = export("cuda"), export("cuda", gemv=False)
+    for gv, f in with_gemv.functions_items():
+        if not isinstance(f, tvm.relax.Function):
+            continue
+        calls = set(re.findall(r"call_tir\((?:cls\.)?(\w+)", f.script()))
+        if gv.name_hint in ("decode", "mtp_step", "verify"):
+            assert not [c for c in calls if "dequant" in c], gv.name_hint
+            nv = [c for c in calls if c.startswith("gemv_nvfp4")]
+            assert any("silu_mul" in c for c in nv) and any("residual" in c for c in nv), (gv.name_hint, nv)
+            assert any("silu_mul" not in c and "residual" not in c for c in nv), (gv.name_hint, nv)
+        else:
+            assert any("dequant_nvfp4" in c for c in calls), gv.name_hint
+            tvm.ir.assert_structural_equal(f, without[gv.name_hint], map_free_vars=True)
+    llvm = export("llvm")
+    assert not [gv for gv, _ in llvm.functions_items() if "gemv" in gv.name_hint]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_gemv_nvfp4_27b_compiles(tmp_path, arch):
+    """The 27B NVFP4 decode shapes (both launches each) compile to a fatbin; on sm_90 without spills."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    g = kernel_set("cuda").gemv
+    shapes = [(5120, 14336, "none"), (5120, 34816, "silu_mul"), (17408, 5120, "residual"), (6144, 5120, "residual")]
+    funcs = {}
+    for k, o, ep in shapes:
+        f = g(k, o, "bfloat16", "bfloat16", ep, weight_format="nvfp4")
+        funcs[f.attrs["global_symbol"]] = f
+    tgt = parse_target("cuda:" + arch).tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
+    ex.export_library(str(tmp_path / "g.so"))
+    assert FATBIN_MAGIC in (tmp_path / "g.so").read_bytes()
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert src.count(f"void {G.NVFP4_DQ_FUNC}(") == 1 and "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in src
+    if arch == "sm_90":
+        (tmp_path / "g.cu").write_text(src)
+        r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                            str(tmp_path / "g.cu"), "-o", str(tmp_path / "g.cubin")],
+                           capture_output=True, text=True, check=True)
+        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+        assert len(spills) == 2 * len(shapes) and set(spills) == {"0"}, r.stderr

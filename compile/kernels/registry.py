@@ -24,4 +24,7 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         causal_conv=gdn.causal_conv,
         chunked_delta_rule=gdn.chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
+        gemv=None,  # decode projections stay relax matmuls (CUDA: kernels/cuda/gemv.py)
+        rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
+        gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
     )

@@ -5,22 +5,51 @@ Same prim_func signature and buffer contract as compile/kernels/attention.py:
        pool[num_pages, n_layers, 2, Hkv, page, D] (kv_dtype), layer i32, out[n,Hq,D])
 
 Three launches inside the one prim_func (stream order is the barrier between them):
-  1. append:  grid (n, Hkv), threads over D: write this call's K/V into their pages.
-  2. attend:  grid (n, Hkv, nsplit), NT threads. One block serves the `group` query heads that
-     share a KV head (GQA: K/V are read once for all of them) over a contiguous range of pages
-     (flash-decoding split). Per page (64 positions) a warp computes a position's dot products
-     for all group heads (lanes stride D, shuffle reduction), then warps run the online-softmax
-     update per head, then every thread accumulates P.V for D/NT output columns in registers.
-     nsplit = clamp(ceil(target_blocks / (n*Hkv)), 1, p): decode (small n) is split over KV so
-     ~target_blocks blocks are busy; prefill (large n) gets nsplit = 1 and writes `out` directly.
-  3. combine: grid (n, Hq): merge the nsplit partial (acc, max, sum) triples (no-op if nsplit=1).
-The split partials live in a workspace allocated inside the function (TVMBackendAllocWorkspace).
+  1. append:  grid (n, Hkv): write this call's K/V into their pages.
+  2. attend:  grid (n, Hkv, nsplit), W = threads/32 warps. A block serves the G = Hq/Hkv query heads
+     that share a KV head (GQA: K/V are read once for all of them) over a contiguous range of
+     32-position chunks of token i's context (flash-decoding split; the range is cut from the
+     token's own length, so every split has work). Warp w takes chunks w, w+W, ... with its own
+     online softmax (base 2: Q or the scores are scaled by log2 e). Nothing in the per-warp loop
+     touches shared memory that is also written there (TVM's ThreadSync would put __syncthreads
+     into the warp-divergent loop): lanes exchange data by shuffles. Rows past the token's length
+     are clamped to its last row for the loads and masked (score -inf). At the end the warps merge
+     (max, sum, acc) pairwise through shared memory (log2 W rounds) and warp 0 writes `out`
+     (nsplit = 1) or the split partial. nsplit = clamp(ceil(target_blocks / (n*Hkv)), 1,
+     p*page/32/W): decode is split over KV so ~target_blocks blocks are busy, each warp with at
+     least one chunk; prefill (large n) gets nsplit = 1.
+     Tensor-core path (bf16 / f16 pages of the activation dtype, D % 64 == 0, G <= 8; the 27B
+     geometry): per batch of 16 positions, lane (g = lane/4, t = lane%4) loads 16 bytes of K rows
+     g and 8+g per 32-column slab and of V rows 2t, 2t+1, 2t+8, 2t+9 per 64-column group (32
+     loads per lane, all issued before the first mma: one memory round trip per batch), then
+       S  = Q K^T   16 x mma.m16n8k16 per 8 positions: rows = heads (Q fragments from shared
+                    memory, rows >= G zero), k = head_dim in a permuted order that lets the B
+                    fragment be the lane's contiguous 16 bytes;
+       softmax      lane holds 4 scores of head g; max over the 4 lanes of the group (2 shuffles);
+       O^T += V^T P^T   16 mma per 16 positions: rows = V columns (64q + 8g + 0..7 across the four
+                    m tiles of a group), n = heads, k = positions; A is built from the loaded V
+                    words with 16-bit permutes, B = the lane's own P (bf16 / f16, packed with
+                    cvt.rn) exactly in the layout the S fragment left it.
+     Lane (g, t) ends with heads 2t, 2t+1 x columns 64q + 8g + 0..7 in 4*D/16 fp32 registers.
+     SIMT path (f32 pages, fp8 / nvfp4 pages, small or odd geometries): lane l owns the D/32
+     contiguous columns of Q (fp32 registers), of every K/V row it reads (16-byte loads where the
+     row layout allows) and of the accumulators. Per batch of QB positions each lane forms
+     G x QB partial dot products; a transposing butterfly (halve the position set on lane bits 16,
+     8, 4, then full xor reduce) leaves lane l with the scores of position l >> (5 - log2 QB) for
+     all heads (~G*(QB+1) shuffles per QB positions); P.V shuffles each p from its lane.
+  3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
+     splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
+     warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
+The split partials live in a workspace allocated inside the function (TVMBackendAllocWorkspace);
+their maxima are in base-2 units. bench/attn_gpu_check.py checks the kernels against a float64
+reference on the GPU and in a CPU emulation of the generated CUDA (warp shuffles and mma included).
 
 Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and bit-identical page
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
 for nvfp4 a lane per 16-element block (amax, E4M3 scale, E2M1 codes, packed bytes), for fp8 the
 lanes split the row, reduce the row amax with shuffles and write the E4M3 codes and the E8M0 byte.
-The attend launch dequantizes each element to fp32 as it loads it. TVM compiles CUDA with
+The attend launch (SIMT path) loads the row bytes with 4-byte loads where the row layout allows
+and dequantizes each element to fp32 exactly (code x row / block scale). TVM compiles CUDA with
 --use_fast_math (approximate division, flush-to-zero), so the encoders use IEEE __fdiv_rn and find
 amax by comparing integer bit patterns (subnormals and NaN handled like the llvm kernel).
 """
@@ -36,10 +65,50 @@ from ..attention_quant import (
 
 NEG_BIG = -3.0e38
 NVFP4_BLOCK = 16
+LOG2E = 1.4426950408889634
+CHUNK = 32  # positions per work unit of a warp
 
 
 def _u32(v):
     return tirx.const(v, "uint32")
+
+
+def _dev_src(body: str) -> str:
+    # the markers let bench/attn_gpu_check.py swap these for its CPU emulation
+    return "\n// NINFER_ATTN_DEV_BEGIN\n" + body.strip() + "\n// NINFER_ATTN_DEV_END\n"
+
+
+# D[16x8] += A[16x16] B[16x8] (mma.sync m16n8k16, fp32 accumulate); c points at 4 fp32 registers
+_MMA_SRC = {
+    t: (f"ninfer_attn_mma_{t}", _dev_src(f"""
+__forceinline__ __device__ void ninfer_attn_mma_{t}(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                  unsigned b0, unsigned b1) {{
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, "
+               "{{%8, %9}}, {{%0, %1, %2, %3}};\\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}}"""))
+    for t in ("bf16", "f16")
+}
+_MMA_SRC = {"bfloat16": _MMA_SRC["bf16"], "float16": _MMA_SRC["f16"]}
+# 16-byte load through the read-only path (the pool is not written while the attend launch runs).
+# volatile keeps NVVM from moving the batch's loads; ptxas is kept from sinking them next to their mma
+# (one memory round trip each) by __launch_bounds__(.., min_blocks) and the scores' zero dependency
+LD_FN, LD_SRC = "ninfer_attn_ld16", _dev_src("""
+__forceinline__ __device__ void ninfer_attn_ld16(unsigned* d, const void* p) {
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(p));
+}""")
+# two fp32 -> packed 16-bit pair (round to nearest even), lo in the low half
+_PACK_SRC = {
+    dt: (f"ninfer_attn_pack_{t}x2", _dev_src(f"""
+__forceinline__ __device__ unsigned ninfer_attn_pack_{t}x2(float lo, float hi) {{
+  unsigned r;
+  asm("cvt.rn.{t}x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}}"""))
+    for dt, t in (("bfloat16", "bf16"), ("float16", "f16"))
+}
 
 
 def _fdiv_rn(a, b):
@@ -65,12 +134,84 @@ def _nvfp4_code(x, scale):
     return tirx.Select(scale > tirx.const(0.0, "float32"), e2m1_encode(_fdiv_rn(x, scale)), _u32(0))
 
 
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def _pow2_div(x: int, cap: int) -> int:
+    """Largest power of two <= cap dividing x."""
+    v = 1
+    while v * 2 <= cap and x % (v * 2) == 0:
+        v *= 2
+    return v
+
+
+def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
+    """The tensor-core attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0 and at
+    most 8 query heads per KV head (the heads are the N = 8 side of the P.V mma)."""
+    kv = kv_dtype or dtype
+    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads // n_kv <= 8
+
+
+def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
+                qb: int | None = None, dtype: str | None = None, mma: bool | None = None) -> dict:
+    """Static launch/layout choices of the attend launch (also used by bench/attn_gpu_check.py).
+    mode: "mma" (tensor cores), else the SIMT row format ("vec" 16-bit/f32 pages, "fp8v", "nvfp4v",
+    "scalar"); qb: positions per batch."""
+    group = n_heads // n_kv
+    DL = head_dim // 32
+    W = max(1, min(_pow2_floor(threads // 32), 16))
+    if dtype is not None and (mma if mma is not None else True) and mma_applies(n_heads, n_kv, head_dim, dtype,
+                                                                                 kv_dtype):
+        return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16, esize=2,
+                    min_blocks=max(1, 8 // W))
+    if kv_dtype in ("float32", "bfloat16", "float16"):
+        esize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
+        mode = "vec"
+        vec = _pow2_div(DL, 16 // esize)
+        raw_words = DL * esize / 4
+    elif kv_dtype == "fp8":
+        esize = 1
+        mode = "fp8v" if DL % 4 == 0 else "scalar"
+        vec = 4
+        raw_words = DL / 4 + 1 if mode == "fp8v" else DL
+    else:  # nvfp4: DL/2 bytes of codes per lane, one byte of scale per 16 columns
+        esize = 0.5
+        lane_bytes = DL // 2
+        row_bytes = head_dim // 2 + head_dim // NVFP4_BLOCK
+        ok = DL % 2 == 0 and (NVFP4_BLOCK % DL == 0 or DL % NVFP4_BLOCK == 0)
+        vec = _pow2_div(lane_bytes, 4) if ok else 1
+        while vec > 1 and row_bytes % vec:
+            vec //= 2
+        mode = "nvfp4v" if ok else "scalar"
+        raw_words = (lane_bytes / 4 + max(1, DL // NVFP4_BLOCK)) if ok else DL
+    if qb is None:
+        # registers: Q + acc (2*group*DL), partial dots (group*QB), raw K+V rows (2*QB*raw_words)
+        qb = 8
+        while qb > 1 and 2 * group * DL + group * qb + 2 * qb * raw_words > 200:
+            qb //= 2
+    return dict(group=group, DL=DL, W=W, NT=32 * W, mode=mode, vec=vec, qb=qb, esize=esize, min_blocks=max(1, 8 // W))
+
+
+def attend_splits(n: int, p: int, n_kv: int, page_size: int, threads: int = 128, target_blocks: int = 264) -> int:
+    """Host-side mirror of the kernel's split count (grid z of the attend launch) for n tokens and a
+    page table of width p."""
+    w = max(1, min(_pow2_floor(threads // 32), 16))
+    nk = n * n_kv
+    cap = max(p * (page_size // CHUNK) // w, 1)
+    return max(1, min(-(-target_blocks // nk), cap))
+
+
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
-    kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264,
+    kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
+    mma: bool | None = None,
 ):
     """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages, or the quantized
-    uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel)."""
+    uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel). threads: block size of
+    the attend launch (a power of two number of warps); qb: positions per QK batch of the SIMT path
+    (None: chosen from the register budget); mma: use the tensor-core path (None: wherever it
+    applies, i.e. bf16 / f16 pages with the same activation dtype)."""
     kv_dt = kv_dtype or dtype
     quant = kv_dt in QUANT_KV_DTYPES
     if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
@@ -79,21 +220,63 @@ def paged_attention(
     nvfp4 = kv_dt == "nvfp4"
     half = head_dim // 2
     nblk = head_dim // NVFP4_BLOCK
-    group = n_heads // n_kv
     D = head_dim
     PS = page_size
-    if D % 32 or PS % 32 or n_heads % n_kv:
+    if D % 32 or PS % CHUNK or n_heads % n_kv:
         raise ValueError(f"CUDA attention needs head_dim and page_size multiples of 32 (got {D}, {PS})")
-    NT = min(threads, D)
-    while D % NT:
-        NT -= 32
-    W = NT // 32  # warps
-    DL = D // 32  # elements of a dot product per lane
-    DT = D // NT  # output columns per thread
-    PL = PS // 32  # softmax entries per lane
-    HW = (group + W - 1) // W  # heads per warp in the softmax step
+    plan = attend_plan(n_heads, n_kv, head_dim, kv_dt, threads, qb)  # the SIMT layout (also built for mma)
+    mma_ok = mma_applies(n_heads, n_kv, head_dim, dtype, kv_dt)
+    G = plan["group"]
+    DL = plan["DL"]  # columns per lane
+    W = plan["W"]  # warps per attend block
+    NT = plan["NT"]
+    MODE = plan["mode"]
+    VEC = plan["vec"]
+    QB = plan["qb"]
+    if QB not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"qb must be a power of two <= 32, got {QB}")
+    NH = QB.bit_length() - 1  # halving steps of the butterfly
+    SH = 5 - NH  # lane >> SH = position in the batch
+    NB = CHUNK // QB  # batches per chunk
+    CPP = PS // CHUNK  # chunks per page
+    LOGW = W.bit_length() - 1
+    WH = max(W // 2, 1)  # merge slots
+    # raw row storage per (K|V, row) and lane
+    if MODE == "vec":
+        RW, RAW_DT = DL, pool_dt
+    elif MODE == "fp8v":
+        RW, RAW_DT = DL, "uint8"
+    elif MODE == "nvfp4v":
+        RW, RAW_DT = DL // 2, "uint8"
+    else:
+        RW, RAW_DT = DL, "float32"
+    NSB = max(1, DL // NVFP4_BLOCK) if MODE == "nvfp4v" else 1  # scale bytes per lane-row
+    if MODE == "scalar":
+        VEC = 1
+    if row_bytes % VEC or RW % VEC:
+        raise AssertionError(f"vector width {VEC} does not divide the row ({row_bytes}) / lane ({RW}) extents")
+    RBV = row_bytes // VEC  # row length in vectors
+    MMA = bool(mma) if mma is not None else mma_ok
+    if MMA and not mma_ok:
+        raise ValueError(f"the tensor-core path needs {dtype} == KV dtype in (bfloat16, float16), head_dim % 64 == 0 "
+                         f"and at most 8 query heads per KV head (got {kv_dt}, {head_dim}, {G})")
+    NSLAB = D // 32  # 32-column slabs of a K row (two k16 steps each)
+    NQ = D // 64  # 64-column groups of a V row (four 16-row m tiles each)
+    NACC = NQ * 16  # fp32 accumulators per lane (heads 2tig, 2tig+1 x 8 columns per group)
+    RBW = D // 8 if MMA else 1  # row length in 16-byte units (uint32 x 4)
+    QROW = D // 2 + 16  # words per Q row in shared memory (padded: a 16-byte read of rows g, g+1 is conflict-free)
+    MIN_BLOCKS = plan["min_blocks"]  # attend blocks per SM the register budget must allow (8 warps)
+    MMA_FN, MMA_SRC = _MMA_SRC["bfloat16" if kv_dt == "bfloat16" else "float16"]
+    PACK_FN, PACK_SRC = _PACK_SRC["bfloat16" if kv_dt == "bfloat16" else "float16"]
+    CNT = 256  # combine threads (CW warps)
+    CW = CNT // 32
+    CU = 8 if DL <= 8 else 4  # partial rows per lane in flight
+    MAXS = max(1, -(-target_blocks // n_kv))  # nsplit <= ceil(target_blocks / n_kv)
+    CMS = (MAXS + 31) // 32  # (max, sum) pairs per lane
+    CVEC = _pow2_div(DL, 4)  # 16-byte loads of the lane's columns where possible
     APPEND_T = min(D, 256)
     neg_big = NEG_BIG
+    scale2 = float(sm_scale) * LOG2E
 
     def load(pool, pg, layer, c, h, slot, d):
         """fp32 value of element d of a page row (dequantized for fp8 / nvfp4)."""
@@ -107,6 +290,24 @@ def paged_attention(
         code = tirx.Cast("uint32", pool[pg, layer, c, h, slot, d])
         return e4m3_decode(code) * pow2_from_e8m0(tirx.Cast("uint32", pool[pg, layer, c, h, slot, head_dim]))
 
+    def elem(raw, sf, c, j, e):
+        """fp32 column e (of the lane's DL) of raw row (c, j)."""
+        r = (c * QB + j) * RW
+        if MODE == "vec" or MODE == "scalar":
+            return T.Cast("float32", raw[r + e])
+        if MODE == "fp8v":
+            return e4m3_decode(T.Cast("uint32", raw[r + e])) * sf[c * QB + j]
+        byte = T.Cast("uint32", raw[r + e // 2])
+        code = (byte >> (T.Cast("uint32", e % 2) * _u32(4))) & _u32(15)
+        return e2m1_decode(code) * sf[(c * QB + j) * NSB + e // NVFP4_BLOCK]
+
+    def _or_words(buf, nvec):
+        """OR of the first word of each of the nvec loaded 16-byte vectors in buf."""
+        e = buf[0]
+        for k_ in range(1, nvec):
+            e = e | buf[4 * k_]
+        return e
+
     def src(k, v, c, i, h, d):
         """fp32 K (c=0) or V (c=1) element of this call."""
         return T.if_then_else(c == 0, T.Cast("float32", k[i, h, d]), T.Cast("float32", v[i, h, d]))
@@ -114,7 +315,8 @@ def paged_attention(
     def _nsplit(n, p):
         """int32 number of KV splits; n, p are the int64 shape vars."""
         nk = T.Cast("int32", n) * n_kv
-        return T.max(1, T.min(T.truncdiv(target_blocks + nk - 1, nk), T.Cast("int32", p)))
+        cap = T.max(T.truncdiv(T.Cast("int32", p) * CPP, W), 1)
+        return T.max(1, T.min(T.truncdiv(target_blocks + nk - 1, nk), cap))
 
     def _ws_size(n, p, per):
         ns = T.Cast("int64", _nsplit(n, p))
@@ -142,8 +344,13 @@ def paged_attention(
         pt = T.match_buffer(var_pt, (b, p), "int32")
         pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, row_bytes), pool_dt)
         out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
+        poolv = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBV), VEC), pool_dt, data=pool.data)
+        poolw = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBW), 4), "uint32", data=pool.data)
+        qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
+        outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
         ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
         ws_ml = T.alloc_buffer((_ws_size(n, p, 2),), "float32", scope="global")
+        ws_ov = T.decl_buffer((T.max(_ws_size(n, p, D) // CVEC, T.int64(1)), CVEC), "float32", data=ws_o.data)
         # ---- 1. append this call's K/V ---------------------------------------------------------
         if quant:
             # one warp per (token, KV head): lanes 0-31 handle K, then V (c), of one row
@@ -200,133 +407,413 @@ def paged_attention(
                                      d0 * APPEND_T + tx] = T.Cast(pool_dt, k[i, h, d0 * APPEND_T + tx])
                                 pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
                                      d0 * APPEND_T + tx] = T.Cast(pool_dt, v[i, h, d0 * APPEND_T + tx])
-        # ---- 2. attend (split over KV pages) ----------------------------------------------------
-        for i in T.thread_binding(n, thread="blockIdx.x"):
-            for g in T.thread_binding(n_kv, thread="blockIdx.y"):
-                for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        qs = T.alloc_buffer((group, D), "float32", scope="shared")
-                        sc = T.alloc_buffer((group, PS), "float32", scope="shared")
-                        pb = T.alloc_buffer((group, PS), "float32", scope="shared")
-                        al = T.alloc_buffer((group,), "float32", scope="shared")
-                        ml = T.alloc_buffer((group, 2), "float32", scope="shared")
-                        acc = T.alloc_buffer((group, DT), "float32", scope="local")
-                        kreg = T.alloc_buffer((DL,), "float32", scope="local")
-                        mreg = T.alloc_buffer((HW,), "float32", scope="local")
-                        lreg = T.alloc_buffer((HW,), "float32", scope="local")
-                        red = T.alloc_buffer((1,), "float32", scope="local")
-                        red2 = T.alloc_buffer((1,), "float32", scope="local")
-                        mnew = T.alloc_buffer((1,), "float32", scope="local")
-                        for e in range((group * D + NT - 1) // NT):
-                            if e * NT + tx < group * D:
-                                qs[(e * NT + tx) // D, (e * NT + tx) % D] = T.Cast(
-                                    "float32", q[i, g * group + (e * NT + tx) // D, (e * NT + tx) % D]
-                                ) * T.float32(sm_scale)
-                        for h0 in T.unroll(HW):
-                            mreg[h0] = T.float32(neg_big)
-                            lreg[h0] = T.float32(0)
-                        for hh in T.unroll(group):
-                            for dd in T.unroll(DT):
-                                acc[hh, dd] = T.float32(0)
-                        T.tvm_storage_sync("shared")
-                        pps = (T.Cast("int32", p) + _nsplit(n, p) - 1) // _nsplit(n, p)
-                        lo = s * pps * PS
-                        hi = T.min(lo + pps * PS, pos[i] + 1)
-                        row = tseq[i]
-                        w = tx // 32
-                        lane = tx % 32
-                        for pi in range(T.max((hi - lo + PS - 1) // PS, 0)):
-                            t0 = lo + pi * PS
-                            tl = T.min(PS, hi - t0)
-                            page = pt[row, t0 // PS]
-                            # scores: warp w takes positions w, w+W, ...
-                            for j0 in range((PS + W - 1) // W):
-                                if j0 * W + w < tl:
+        # ---- 2. attend (split over 32-position chunks) ------------------------------------------
+        if MMA:
+            # tensor-core path (bf16 / f16 pages of the activation dtype), see the module docstring
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for g in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            qf = T.alloc_buffer((4,), "uint32", scope="local")
+                            qsm = T.alloc_buffer((8 * QROW,), "uint32", scope="shared")
+                            acc = T.alloc_buffer((NACC,), "float32", scope="local")
+                            kr = T.alloc_buffer((2 * NSLAB * 4,), "uint32", scope="local")
+                            vr = T.alloc_buffer((4 * NQ * 4,), "uint32", scope="local")
+                            sc = T.alloc_buffer((8,), "float32", scope="local")
+                            pk = T.alloc_buffer((2,), "uint32", scope="local")
+                            st = T.alloc_buffer((6,), "float32", scope="local")
+                            tm = T.alloc_buffer((4,), "float32", scope="local")
+                            rb = T.alloc_buffer((1,), "int64", scope="local")
+                            ob = T.alloc_buffer((8,), dtype, scope="local")
+                            mg = T.alloc_buffer((WH * 32 * (NACC + 4),), "float32", scope="shared")
+                            qsm4 = T.decl_buffer((2 * QROW, 4), "uint32", data=qsm.data, scope="shared")
+                            w = tx // 32
+                            lane = tx % 32
+                            gid = lane // 4
+                            tig = lane % 4
+                            L = pos[i] + 1
+                            nch = (L + CHUNK - 1) // CHUNK
+                            cps = (nch + _nsplit(n, p) - 1) // _nsplit(n, p)
+                            c_lo = s * cps
+                            c_hi = T.min(c_lo + cps, nch)
+                            row = tseq[i]
+                            # Q of the group's heads in shared memory as bf16 pairs, rows padded (no bank
+                            # conflicts), rows G..7 zero; read as mma fragments in the loop
+                            for e in range((8 * D // 2 + NT - 1) // NT):
+                                if e * NT + tx < 8 * D // 2:
+                                    qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                        (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
+                                            (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
+                                        T.uint32(0))
+                            T.tvm_storage_sync("shared")
+                            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS):
+                                # __launch_bounds__(NT, 8 warps / W): without a minimum ptxas caps the registers
+                                # lower and sinks the batch's loads next to their mma (a round trip each)
+                                st[0] = T.float32(neg_big)  # running max of head gid (base 2)
+                            st[1] = T.float32(0)  # running sum of head gid (this lane's positions)
+                            for a in T.unroll(NACC):
+                                acc[a] = T.float32(0)
+                            for ci in range((T.max(c_hi - c_lo - w, 0) + W - 1) // W):
+                                t0 = (c_lo + w + ci * W) * CHUNK
+                                page = pt[row, t0 // PS]
+                                rb[0] = (T.Cast("int64", page) * n_layers + T.Cast("int64", layer)) * (
+                                    2 * n_kv * PS * RBW) + T.Cast("int64", g) * (PS * RBW)
+                                for bt in range(CHUNK // 16):
+                                    if t0 + bt * 16 < L:
+                                        # -- K rows gid (tile 0) and 8 + gid (tile 1), 16 bytes per 32-column slab
+                                        # (volatile asm loads: all 16 are issued before the first mma)
+                                        for tile in T.unroll(2):
+                                            for s0 in T.unroll(NSLAB):
+                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * NSLAB + s0) * 4]),
+                                                    T.address_of(poolw[
+                                                        rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                            tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                        + T.Cast("int64", 4 * s0 + tig), 0]), source_code=LD_SRC))
+                                        # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9; columns 64q + 8gid + 0..7
+                                        for rr in T.unroll(4):
+                                            for q0 in T.unroll(NQ):
+                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[(rr * NQ + q0) * 4]),
+                                                    T.address_of(poolw[
+                                                        rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                            2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW
+                                                        + T.Cast("int64", 8 * q0 + gid), 0]), source_code=LD_SRC))
+                                        # -- S = Q K^T: rows = heads, columns = 8 positions per tile
+                                        # scores start at +0.0 computed from a word of every K and V vector of the
+                                        # batch ANDed with a runtime zero (layer >> 30): ptxas must then issue all 32
+                                        # loads before the first mma (otherwise it sinks some past the mma, and the
+                                        # warp stalls on K before it requests the rest: two round trips per batch)
+                                        tm[0] = T.reinterpret("float32", T.Cast("uint32", T.shift_right(layer, 30)) & (
+                                            _or_words(vr, 4 * NQ) | _or_words(kr, 2 * NSLAB)))
+                                        for r in T.unroll(8):
+                                            sc[r] = tm[0]
+                                        for s0 in T.unroll(NSLAB):
+                                            # fragment of head gid, columns 32 s0 + 8 tig + 0..7
+                                            for e in T.vectorized(4):
+                                                qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
+                                            for tile in T.unroll(2):
+                                                for hk in T.unroll(2):
+                                                    T.evaluate(T.cuda.func_call(
+                                                        MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                        qf[2 * hk + 1], T.uint32(0),
+                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk],
+                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
+                                        # -- online softmax of head gid over the 16 positions (4 per lane)
+                                        for tile in T.unroll(2):
+                                            for r in T.unroll(2):
+                                                sc[tile * 4 + r] = T.Select(
+                                                    T.And(gid < G, t0 + bt * 16 + tile * 8 + 2 * tig + r < L),
+                                                    sc[tile * 4 + r] * T.float32(scale2), T.float32("-inf"))
+                                        tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
+                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
+                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
+                                        tm[0] = T.max(tm[0], st[0])
+                                        tm[1] = T.exp2(st[0] - tm[0])
+                                        st[0] = tm[0]
+                                        for tile in T.unroll(2):
+                                            for r in T.unroll(2):
+                                                sc[tile * 4 + r] = T.exp2(sc[tile * 4 + r] - tm[0])
+                                        st[1] = st[1] * tm[1] + ((sc[0] + sc[1]) + (sc[4] + sc[5]))
+                                        pk[0] = T.cuda.func_call(PACK_FN, sc[0], sc[1], source_code=PACK_SRC,
+                                                                 return_type="uint32")
+                                        pk[1] = T.cuda.func_call(PACK_FN, sc[4], sc[5], source_code=PACK_SRC,
+                                                                 return_type="uint32")
+                                        # rescale of heads 2tig, 2tig+1 (the accumulator layout)
+                                        tm[2] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), tm[1], 8 * tig, 32, 32)
+                                        tm[3] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), tm[1], 8 * tig + 4, 32, 32)
+                                        for a in T.unroll(NACC):
+                                            acc[a] = acc[a] * tm[2 + a % 2]
+                                        # -- O^T += V^T P^T: rows = columns of V, columns = heads
+                                        for q0 in T.unroll(NQ):
+                                            for j in T.unroll(4):
+                                                T.evaluate(T.cuda.func_call(
+                                                    MMA_FN, T.address_of(acc[(q0 * 4 + j) * 4]),
+                                                    (vr[(0 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
+                                                    | (vr[(1 * NQ + q0) * 4 + j] << T.uint32(16)),
+                                                    (vr[(0 * NQ + q0) * 4 + j] >> T.uint32(16))
+                                                    | (vr[(1 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
+                                                    (vr[(2 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
+                                                    | (vr[(3 * NQ + q0) * 4 + j] << T.uint32(16)),
+                                                    (vr[(2 * NQ + q0) * 4 + j] >> T.uint32(16))
+                                                    | (vr[(3 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
+                                                    pk[0], pk[1], source_code=MMA_SRC))
+                            # row sums over the quad, then (max, sum) of heads 2tig, 2tig+1 into st[2..5]
+                            st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1, 32, 32)
+                            st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 2, 32, 32)
+                            for hb in T.unroll(2):
+                                st[2 + 2 * hb] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[0], 8 * tig + 4 * hb, 32, 32)
+                                st[3 + 2 * hb] = T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[1], 8 * tig + 4 * hb, 32, 32)
+                            # ---- merge the warps pairwise (same lane layout in every warp)
+                            for r in T.unroll(LOGW):
+                                if w >= (W >> (r + 1)):
+                                    if w < (W >> r):
+                                        for a in T.unroll(NACC):
+                                            mg[((w - (W >> (r + 1))) * 32 + lane) * (NACC + 4) + a] = acc[a]
+                                        for e in T.unroll(4):
+                                            mg[((w - (W >> (r + 1))) * 32 + lane) * (NACC + 4) + NACC + e] = st[2 + e]
+                                T.tvm_storage_sync("shared")
+                                if w < (W >> (r + 1)):
+                                    for hb in T.unroll(2):
+                                        tm[0] = T.max(st[2 + 2 * hb], mg[(w * 32 + lane) * (NACC + 4) + NACC + 2 * hb])
+                                        tm[1] = T.exp2(st[2 + 2 * hb] - tm[0])
+                                        tm[2] = T.exp2(mg[(w * 32 + lane) * (NACC + 4) + NACC + 2 * hb] - tm[0])
+                                        st[2 + 2 * hb] = tm[0]
+                                        st[3 + 2 * hb] = st[3 + 2 * hb] * tm[1] + mg[
+                                            (w * 32 + lane) * (NACC + 4) + NACC + 2 * hb + 1] * tm[2]
+                                        for a in T.unroll(NACC // 2):
+                                            acc[2 * a + hb] = acc[2 * a + hb] * tm[1] + mg[
+                                                (w * 32 + lane) * (NACC + 4) + 2 * a + hb] * tm[2]
+                                T.tvm_storage_sync("shared")
+                            if w == 0:
+                                for hb in T.unroll(2):
+                                    if 2 * tig + hb < G:
+                                        if _nsplit(n, p) == 1:
+                                            for q0 in T.unroll(NQ):
+                                                for j in T.unroll(4):
+                                                    ob[2 * j] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + hb] / st[3 + 2 * hb])
+                                                    ob[2 * j + 1] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + 2 + hb] / st[3 + 2 * hb])
+                                                for e in T.vectorized(8):
+                                                    outv[(T.Cast("int64", i) * n_heads + g * G + 2 * tig + hb) * (D // 8)
+                                                         + 8 * q0 + gid, e] = ob[e]
+                                        else:
+                                            for q0 in T.unroll(NQ):
+                                                for j in T.unroll(4):
+                                                    for r in T.unroll(2):
+                                                        sc[2 * j + r] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
+                                                for v0 in T.unroll(8 // CVEC):
+                                                    for e in T.vectorized(CVEC):
+                                                        ws_ov[_ws(i, g * G + 2 * tig + hb, s, n, p) * (D // CVEC)
+                                                              + T.Cast("int64", (64 * q0 + 8 * gid) // CVEC + v0), e] = sc[
+                                                            v0 * CVEC + e]
+                                            if gid == 0:
+                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2] = st[2 + 2 * hb]
+                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2 + 1] = st[3 + 2 * hb]
+        else:
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for g in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            qr = T.alloc_buffer((G * DL,), "float32", scope="local")
+                            acc = T.alloc_buffer((G * DL,), "float32", scope="local")
+                            mr = T.alloc_buffer((G,), "float32", scope="local")
+                            lr = T.alloc_buffer((G,), "float32", scope="local")
+                            pr = T.alloc_buffer((G,), "float32", scope="local")
+                            tm = T.alloc_buffer((2,), "float32", scope="local")
+                            part = T.alloc_buffer((G * QB,), "float32", scope="local")
+                            raw = T.alloc_buffer((2 * QB * RW,), RAW_DT, scope="local")
+                            sf = T.alloc_buffer((2 * QB * NSB,), "float32", scope="local")
+                            rb = T.alloc_buffer((1,), "int64", scope="local")
+                            ob = T.alloc_buffer((DL,), dtype, scope="local")
+                            mg = T.alloc_buffer((WH * G * D,), "float32", scope="shared")
+                            mgl = T.alloc_buffer((WH * G * 2,), "float32", scope="shared")
+                            w = tx // 32
+                            lane = tx % 32
+                            L = pos[i] + 1
+                            nch = (L + CHUNK - 1) // CHUNK
+                            cps = (nch + _nsplit(n, p) - 1) // _nsplit(n, p)
+                            c_lo = s * cps
+                            c_hi = T.min(c_lo + cps, nch)
+                            row = tseq[i]
+                            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS):
+                                for h in T.unroll(G):
+                                    mr[h] = T.float32(neg_big)
+                                    lr[h] = T.float32(0)
                                     for e in T.unroll(DL):
-                                        kreg[e] = load(pool, page, layer, 0, g, j0 * W + w, e * 32 + lane)
-                                    for hh in T.unroll(group):
-                                        red[0] = T.float32(0)
+                                        qr[h * DL + e] = T.Cast("float32", q[i, g * G + h, lane * DL + e]) * T.float32(
+                                            scale2)
+                                        acc[h * DL + e] = T.float32(0)
+                            for ci in range((T.max(c_hi - c_lo - w, 0) + W - 1) // W):
+                                t0 = (c_lo + w + ci * W) * CHUNK
+                                page = pt[row, t0 // PS]
+                                rb[0] = (T.Cast("int64", page) * n_layers + T.Cast("int64", layer)) * (2 * n_kv * PS * RBV) + T.Cast(
+                                    "int64", g) * (PS * RBV)
+                                for bt in range(NB):
+                                    if t0 + bt * QB < L:
+                                        # -- load the batch's K and V rows (clamped to the last valid row)
+                                        for c in T.unroll(2):
+                                            for j in T.unroll(QB):
+                                                if MODE == "scalar":
+                                                    for e in T.unroll(DL):
+                                                        raw[(c * QB + j) * RW + e] = load(
+                                                            pool, page, layer, c, g,
+                                                            (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB),
+                                                            lane * DL + e)
+                                                else:
+                                                    # rows are addressed in VEC units off a device-computed
+                                                    # base, so the vector loads are provably aligned
+                                                    for v0 in T.unroll(RW // VEC):
+                                                        for e in T.vectorized(VEC):
+                                                            raw[(c * QB + j) * RW + v0 * VEC + e] = poolv[
+                                                                rb[0] + T.Cast("int64", c * n_kv * PS + (t0 + bt * QB) % PS
+                                                                               + T.min(j, L - 1 - t0 - bt * QB)) * RBV
+                                                                + T.Cast("int64", lane * (RW // VEC) + v0), e]
+                                                if MODE == "fp8v":
+                                                    sf[c * QB + j] = pow2_from_e8m0(T.Cast("uint32", pool[
+                                                        page, layer, c, g,
+                                                        (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB), D]))
+                                                if MODE == "nvfp4v":
+                                                    for eb in T.unroll(NSB):
+                                                        sf[(c * QB + j) * NSB + eb] = e4m3_decode_abs(T.Cast("uint32", pool[
+                                                            page, layer, c, g,
+                                                            (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB),
+                                                            half + (lane * DL) // NVFP4_BLOCK + eb]))
+                                        # -- partial dot products over the lane's columns
+                                        for j in T.unroll(QB):
+                                            for h in T.unroll(G):
+                                                part[h * QB + j] = T.float32(0)
+                                                for e in T.unroll(DL):
+                                                    part[h * QB + j] = part[h * QB + j] + qr[h * DL + e] * elem(
+                                                        raw, sf, 0, j, e)
+                                        # -- transposing butterfly: halve the positions on lane bits 16, 8, ...
+                                        for st in T.unroll(NH):
+                                            for h in T.unroll(G):
+                                                for j in T.unroll(max(QB // 2, 1)):
+                                                    if j < (QB >> (st + 1)):
+                                                        part[h * QB + j] = T.Select(
+                                                            (lane & (16 >> st)) != 0,
+                                                            part[h * QB + j + (QB >> (st + 1))], part[h * QB + j],
+                                                        ) + T.tvm_warp_shuffle_xor(
+                                                            T.uint32(0xFFFFFFFF),
+                                                            T.Select((lane & (16 >> st)) != 0, part[h * QB + j],
+                                                                     part[h * QB + j + (QB >> (st + 1))]),
+                                                            16 >> st, 32, 32)
+                                        # -- ... then sum the rest: lane holds position lane >> SH
+                                        for st in T.unroll(SH):
+                                            for h in T.unroll(G):
+                                                part[h * QB] = part[h * QB] + T.tvm_warp_shuffle_xor(
+                                                    T.uint32(0xFFFFFFFF), part[h * QB], (1 << SH) >> (st + 1), 32, 32)
+                                        # -- online softmax (base 2) over the batch
+                                        for h in T.unroll(G):
+                                            pr[h] = T.Select(t0 + bt * QB + (lane >> SH) < L, part[h * QB],
+                                                             T.float32("-inf"))
+                                            part[h * QB] = pr[h]
+                                            for st in T.unroll(NH):
+                                                part[h * QB] = T.max(part[h * QB], T.tvm_warp_shuffle_xor(
+                                                    T.uint32(0xFFFFFFFF), part[h * QB], 16 >> st, 32, 32))
+                                            tm[0] = T.max(part[h * QB], mr[h])  # new max
+                                            tm[1] = T.exp2(mr[h] - tm[0])  # rescale of the old sums
+                                            mr[h] = tm[0]
+                                            pr[h] = T.exp2(pr[h] - tm[0])
+                                            lr[h] = lr[h] * tm[1] + pr[h]
+                                            for e in T.unroll(DL):
+                                                acc[h * DL + e] = acc[h * DL + e] * tm[1]
+                                        # -- P.V: p of row j comes from lane j << SH
+                                        for j in T.unroll(QB):
+                                            for h in T.unroll(G):
+                                                part[h * QB + j] = T.tvm_warp_shuffle(
+                                                    T.uint32(0xFFFFFFFF), pr[h], j << SH, 32, 32)
+                                            for e in T.unroll(DL):
+                                                for h in T.unroll(G):
+                                                    acc[h * DL + e] = acc[h * DL + e] + part[h * QB + j] * elem(
+                                                        raw, sf, 1, j, e)
+                            # row sums: lanes of one position group hold equal partials
+                            for h in T.unroll(G):
+                                for st in T.unroll(NH):
+                                    lr[h] = lr[h] + T.tvm_warp_shuffle_xor(
+                                        T.uint32(0xFFFFFFFF), lr[h], 16 >> st, 32, 32)
+                            # ---- merge the warps pairwise through shared memory
+                            for r in T.unroll(LOGW):
+                                if w >= (W >> (r + 1)):
+                                    if w < (W >> r):
+                                        for h in T.unroll(G):
+                                            for e in T.unroll(DL):
+                                                mg[((w - (W >> (r + 1))) * G + h) * D + lane * DL + e] = acc[h * DL + e]
+                                            if lane == 0:
+                                                mgl[((w - (W >> (r + 1))) * G + h) * 2] = mr[h]
+                                                mgl[((w - (W >> (r + 1))) * G + h) * 2 + 1] = lr[h]
+                                T.tvm_storage_sync("shared")
+                                if w < (W >> (r + 1)):
+                                    for h in T.unroll(G):
+                                        pr[h] = T.max(mr[h], mgl[(w * G + h) * 2])
+                                        tm[0] = T.exp2(mr[h] - pr[h])
+                                        tm[1] = T.exp2(mgl[(w * G + h) * 2] - pr[h])
+                                        mr[h] = pr[h]
+                                        lr[h] = lr[h] * tm[0] + mgl[(w * G + h) * 2 + 1] * tm[1]
                                         for e in T.unroll(DL):
-                                            red[0] = red[0] + qs[hh, e * 32 + lane] * kreg[e]
-                                        for o in T.unroll(5):
-                                            red[0] = red[0] + T.tvm_warp_shuffle_xor(
-                                                T.uint32(0xFFFFFFFF), red[0], 16 >> o, 32, 32)
+                                            acc[h * DL + e] = acc[h * DL + e] * tm[0] + mg[
+                                                (w * G + h) * D + lane * DL + e] * tm[1]
+                                T.tvm_storage_sync("shared")
+                            if w == 0:
+                                if _nsplit(n, p) == 1:
+                                    for h in T.unroll(G):
+                                        for e in T.unroll(DL):
+                                            ob[e] = T.Cast(dtype, acc[h * DL + e] / lr[h])
+                                        for e in T.unroll(DL):
+                                            out[i, g * G + h, lane * DL + e] = ob[e]
+                                else:
+                                    for h in T.unroll(G):
+                                        for v0 in T.unroll(DL // CVEC):
+                                            for e in T.vectorized(CVEC):
+                                                ws_ov[_ws(i, g * G + h, s, n, p) * (D // CVEC) + T.Cast("int64", lane * (DL // CVEC) + v0),
+                                                      e] = acc[h * DL + v0 * CVEC + e]
                                         if lane == 0:
-                                            sc[hh, j0 * W + w] = red[0]
-                            T.tvm_storage_sync("shared")
-                            # online softmax per head: warp w owns heads w, w+W, ... (m, l in registers)
-                            for h0 in T.unroll(HW):
-                                if h0 * W + w < group:
-                                    red[0] = T.float32(neg_big)
-                                    for e in T.unroll(PL):
-                                        if e * 32 + lane < tl:
-                                            red[0] = T.max(red[0], sc[h0 * W + w, e * 32 + lane])
-                                    for o in T.unroll(5):
-                                        red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(
-                                            T.uint32(0xFFFFFFFF), red[0], 16 >> o, 32, 32))
-                                    mnew[0] = T.max(mreg[h0], red[0])
-                                    red2[0] = T.float32(0)
-                                    for e in T.unroll(PL):
-                                        if e * 32 + lane < tl:
-                                            pb[h0 * W + w, e * 32 + lane] = T.exp(sc[h0 * W + w, e * 32 + lane] - mnew[0])
-                                            red2[0] = red2[0] + T.exp(sc[h0 * W + w, e * 32 + lane] - mnew[0])
-                                    for o in T.unroll(5):
-                                        red2[0] = red2[0] + T.tvm_warp_shuffle_xor(
-                                            T.uint32(0xFFFFFFFF), red2[0], 16 >> o, 32, 32)
-                                    lreg[h0] = lreg[h0] * T.exp(mreg[h0] - mnew[0]) + red2[0]
-                                    if lane == 0:
-                                        al[h0 * W + w] = T.exp(mreg[h0] - mnew[0])
-                                    mreg[h0] = mnew[0]
-                            T.tvm_storage_sync("shared")
-                            # P.V: thread owns columns dd*NT + tx
-                            for hh in T.unroll(group):
-                                for dd in T.unroll(DT):
-                                    acc[hh, dd] = acc[hh, dd] * al[hh]
-                            for jj in range(tl):
-                                for dd in T.unroll(DT):
-                                    red[0] = load(pool, page, layer, 1, g, jj, dd * NT + tx)
-                                    for hh in T.unroll(group):
-                                        acc[hh, dd] = acc[hh, dd] + pb[hh, jj] * red[0]
-                            T.tvm_storage_sync("shared")
-                        for h0 in T.unroll(HW):
-                            if h0 * W + w < group:
-                                if lane == 0:
-                                    ml[h0 * W + w, 0] = mreg[h0]
-                                    ml[h0 * W + w, 1] = lreg[h0]
-                        T.tvm_storage_sync("shared")
-                        if _nsplit(n, p) == 1:
-                            for hh in T.unroll(group):
-                                for dd in T.unroll(DT):
-                                    out[i, g * group + hh, dd * NT + tx] = T.Cast(dtype, acc[hh, dd] / ml[hh, 1])
-                        else:
-                            for hh in T.unroll(group):
-                                for dd in T.unroll(DT):
-                                    ws_o[_ws(i, g * group + hh, s, n, p) * D + dd * NT + tx] = acc[hh, dd]
-                            if tx < group:
-                                ws_ml[_ws(i, g * group + tx, s, n, p) * 2] = ml[tx, 0]
-                                ws_ml[_ws(i, g * group + tx, s, n, p) * 2 + 1] = ml[tx, 1]
+                                            ws_ml[_ws(i, g * G + h, s, n, p) * 2] = mr[h]
+                                            ws_ml[_ws(i, g * G + h, s, n, p) * 2 + 1] = lr[h]
         # ---- 3. combine split partials -------------------------------------------------------------
-        for i in T.thread_binding(n, thread="blockIdx.x"):
+        # block (token, q head), CW warps. Every warp reads all (max, sum) pairs (lane-strided,
+        # registers), reduces max and denominator with shuffles; warp 0 stores the split weights
+        # 2^(m_s - M) (0 for an empty split: sum exactly 0) in shared memory. Then warp w sums the
+        # partial rows s = w + CW k (CU of them in flight per lane, 16-byte loads of the lane's
+        # columns) and the warps' sums are added through shared memory. Without splits (prefill) the
+        # launch is a single idle block instead of n x Hq of them.
+        for i in T.thread_binding(T.Select(_nsplit(n, p) > 1, n, T.int64(1)), thread="blockIdx.x"):
             for h in T.thread_binding(n_heads, thread="blockIdx.y"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    mx = T.alloc_buffer((1,), "float32", scope="local")
-                    den = T.alloc_buffer((1,), "float32", scope="local")
-                    o_acc = T.alloc_buffer((DT,), "float32", scope="local")
+                for tx in T.thread_binding(CNT, thread="threadIdx.x"):
+                    cm = T.alloc_buffer((CMS,), "float32", scope="local")
+                    cl = T.alloc_buffer((CMS,), "float32", scope="local")
+                    cr = T.alloc_buffer((4,), "float32", scope="local")
+                    ca = T.alloc_buffer((DL,), "float32", scope="local")
+                    cv = T.alloc_buffer((CU * DL,), "float32", scope="local")
+                    wsm = T.alloc_buffer((MAXS + CW * CU,), "float32", scope="shared")
+                    red = T.alloc_buffer((CW * D,), "float32", scope="shared")
+                    cw = tx // 32
+                    cln = tx % 32
                     if _nsplit(n, p) > 1:
-                        mx[0] = T.float32(neg_big)
-                        den[0] = T.float32(0)
-                        for dd in T.unroll(DT):
-                            o_acc[dd] = T.float32(0)
-                        for s in range(_nsplit(n, p)):
-                            mx[0] = T.max(mx[0], ws_ml[_ws(i, h, s, n, p) * 2])
-                        for s in range(_nsplit(n, p)):
-                            if ws_ml[_ws(i, h, s, n, p) * 2 + 1] > T.float32(0):
-                                den[0] = den[0] + ws_ml[_ws(i, h, s, n, p) * 2 + 1] * T.exp(
-                                    ws_ml[_ws(i, h, s, n, p) * 2] - mx[0])
-                                for dd in T.unroll(DT):
-                                    o_acc[dd] = o_acc[dd] + ws_o[_ws(i, h, s, n, p) * D + dd * NT + tx] * T.exp(
-                                        ws_ml[_ws(i, h, s, n, p) * 2] - mx[0])
-                        for dd in T.unroll(DT):
-                            out[i, h, dd * NT + tx] = T.Cast(dtype, o_acc[dd] / den[0])
+                        cr[0] = T.float32(neg_big)
+                        for k0 in T.unroll(CMS):
+                            cm[k0] = T.float32(neg_big)
+                            cl[k0] = T.float32(0)
+                            if k0 * 32 + cln < _nsplit(n, p):
+                                cm[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p) * 2]
+                                cl[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p) * 2 + 1]
+                            cr[0] = T.max(cr[0], cm[k0])
+                        for o in T.unroll(5):
+                            cr[0] = T.max(cr[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), cr[0], 16 >> o, 32, 32))
+                        cr[1] = T.float32(0)
+                        for k0 in T.unroll(CMS):
+                            # an empty split has sum exactly 0 (and max NEG_BIG); a NaN sum propagates
+                            cm[k0] = T.Select(cl[k0] == T.float32(0), T.float32(0), T.exp2(cm[k0] - cr[0]))
+                            cr[1] = cr[1] + cl[k0] * cm[k0]
+                        for o in T.unroll(5):
+                            cr[1] = cr[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), cr[1], 16 >> o, 32, 32)
+                        if cw == 0:
+                            for k0 in T.unroll((MAXS + CW * CU + 31) // 32):
+                                if k0 * 32 + cln < MAXS + CW * CU:
+                                    wsm[k0 * 32 + cln] = T.float32(0)
+                            for k0 in T.unroll(CMS):
+                                if k0 * 32 + cln < _nsplit(n, p):
+                                    wsm[k0 * 32 + cln] = cm[k0]
+                        T.tvm_storage_sync("shared")
+                        for e in T.unroll(DL):
+                            ca[e] = T.float32(0)
+                        for k in range((_nsplit(n, p) + CW * CU - 1) // (CW * CU)):
+                            for u in T.unroll(CU):
+                                # rows past nsplit have weight 0; their index is clamped to a written row
+                                for v0 in T.unroll(DL // CVEC):
+                                    for e in T.vectorized(CVEC):
+                                        cv[u * DL + v0 * CVEC + e] = ws_ov[
+                                            _ws(i, h, T.min((k * CU + u) * CW + cw, _nsplit(n, p) - 1), n, p) * (D // CVEC)
+                                            + T.Cast("int64", cln * (DL // CVEC) + v0), e]
+                            for u in T.unroll(CU):
+                                for e in T.unroll(DL):
+                                    ca[e] = ca[e] + wsm[(k * CU + u) * CW + cw] * cv[u * DL + e]
+                        for e in T.unroll(DL):
+                            red[cw * D + cln * DL + e] = ca[e]
+                        T.tvm_storage_sync("shared")
+                        for c0 in range((D + CNT - 1) // CNT):
+                            if c0 * CNT + tx < D:
+                                cr[2] = T.float32(0)
+                                for w2 in T.unroll(CW):
+                                    cr[2] = cr[2] + red[w2 * D + c0 * CNT + tx]
+                                out[i, h, c0 * CNT + tx] = T.Cast(dtype, cr[2] / cr[1])
 
     return attn

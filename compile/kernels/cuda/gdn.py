@@ -13,18 +13,33 @@ start is known (a scan over cu, b is small), reading the stored tail for the fir
 row; (2) thread per (row, channel): new tail, read into registers before it is written.
 gdn_step: block per (row, value head), thread per value column d; the state column S[:, d] lives
 in registers (dk floats), k and q in shared memory. One read and one write of the state.
-gdn_chunk: block per (row, value head, dv tile), thread per value column. Chunks run in order
-inside the block; the state column stays in registers across chunks. Per chunk of C tokens:
-  A[i,j] = b_i e^(g_i-g_j) k_i.k_j (j<i), M[i,j] = e^(g_i-g_j) q_i.k_j (j<=i)     (shared, all threads)
-  R = b (V - e^g K S0), then R <- (I+A)^-1 R by forward substitution (column-private)
-  O = e^g Q S0 + M R,   S = e^(g_last) S0 + (K e^(g_last-g))^T R
-(this is the WY/UT form of the llvm kernel with W folded into R: (I+A)^-1 is linear).
+gdn_chunk: chunked WY form (FLA-style), two launches inside the one prim_func (stream order is the
+barrier). Chunk C = 32 tokens (`chunk`, lowered until both launches fit 48 KiB of static shared memory).
+Per chunk, gamma = cumulative log-decay, A[i,j] = b_i e^(g_i-g_j) k_i.k_j (j<i),
+M[i,j] = e^(g_i-g_j) q_i.k_j (j<=i), U = (I+A)^-1 (b V), W = (I+A)^-1 (b e^g K). Then per chunk in order:
+V_new = U - W S, O = e^g Q S + M V_new, S <- e^(g_last) S + (K e^(g_last-g))^T V_new.
+  1. grid (chunks, Hv) x NT1 (256 for dk=dv=128) threads, fully parallel. Block x finds its row and chunk
+     by scanning cu (chunks of a row start at the row start; the last one is partial; grid x is
+     n/C + b, an upper bound, spare blocks exit). Stages K, Q of the chunk, computes gamma (left to
+     right), A (shared) and M (2x2 register blocks over the lower triangle), then one column per
+     thread of [b V | b e^g K] is forward-substituted in registers: U goes to `o` (overwritten by
+     launch 2), W, M and gamma to workspace scratch (n*Hv*dk + n*Hv*C + n*Hv floats, ~250 MB at n=8192).
+  2. grid (b, Hv, dv/16) x 128 threads, chunks in order. Thread = (value column tx/8, state rows
+     (tx%8)*16..+16): its 16 state floats stay in registers for the whole row. Per chunk: stage W and Q
+     (XOR-swizzled float4 rows: the 8 lanes of a column read 8 segments of one row conflict-free), U, M,
+     decays; W.S and Q.S partial dots over 16 rows, reduced by xor-shuffles over the 8 lanes -> V_new,
+     e^g Q.S in shared; stage K into W's buffer while O = e^g Q S + M V_new is written (coalesced over
+     columns); state update from K and V_new. Four barriers per chunk, ~43 KB shared, no spills.
+  Row b's state is read at its first chunk and written after its last (rows of length 0 keep it).
 """
 from __future__ import annotations
 
 from tvm.script import tirx as T
 
 CHUNK = 32
+STATE_TILE = 16  # value columns per block of the sequential pass
+STATE_EPT = 16  # state rows per thread of the sequential pass
+SMEM_LIMIT = 48 * 1024  # static shared memory per block
 
 
 def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, threads: int = 256):
@@ -135,15 +150,74 @@ def recurrent_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
     return gdn_step
 
 
-def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = CHUNK,
-                       *, dv_tile: int = 64):
-    r = hv // hk
-    C = chunk
-    DVT = min(dv_tile, dv)
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _chunk_layout(dk: int, dv: int, chunk: int, state_tile: int, ept: int):
+    """(C, EPT, G, DVT, NT1) for chunked_delta_rule; see the module docstring."""
+    if dk % 4:
+        raise ValueError(f"CUDA chunked GDN needs dk % 4 == 0 (got {dk})")
+    EPT = dk  # G = 1 always works
+    for e in range(max(4, ept - ept % 4), dk + 1, 4):
+        if dk % e == 0 and _is_pow2(dk // e) and dk // e <= 32:
+            EPT = e
+            break
+    G = dk // EPT
+    DVT = max(1, min(state_tile, dv))
     while dv % DVT:
         DVT -= 1
+    C = 2
+    while C * 2 <= max(2, chunk):
+        C *= 2
+
+    def smem1(c):  # pass 1: K, Q chunks (padded rows), A, gamma/beta/e^gamma/g
+        return 4 * (2 * c * (dk + 1) + c * (c + 1) + 4 * c)
+
+    def smem2(c):  # pass 2: W/K and Q chunks, U / V_new / Q.h tiles, M, decays
+        return 4 * (2 * c * dk + 3 * c * DVT + c * (c + 1) + 2 * c + 1)
+
+    while C > 2 and max(smem1(C), smem2(C)) > SMEM_LIMIT:
+        C //= 2
+    NT1 = max(C, min(256, (dv + dk + 31) // 32 * 32))
+    return C, EPT, G, DVT, NT1
+
+
+def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = CHUNK,
+                       *, dv_tile: int | None = None, state_tile: int = STATE_TILE, ept: int = STATE_EPT):
+    """Chunked prefill, two launches (see the module docstring).
+
+    chunk: tokens per chunk (rounded down to a power of two, lowered until the static shared memory
+    of both launches fits 48 KiB; 32 for dk=128). state_tile: value columns per block of the
+    sequential pass. ept: state rows (of dk) each thread of that pass keeps in registers.
+    dv_tile: the previous kernel's tile knob, accepted for the registry and ignored.
+    """
+    del dv_tile
+    r = hv // hk
+    C, EPT, G, DVT, NT1 = _chunk_layout(dk, dv, chunk, state_tile, ept)
     NDT = dv // DVT
-    DKP = dk + 1  # padded row: column reads of the staged K chunk hit distinct banks
+    NT = DVT * G  # threads of the sequential pass
+    NV4 = EPT // 4  # float4 per thread segment
+    RV4 = dk // 4  # float4 per staged row
+    SWD = max(1, 8 // NV4)
+    LOG2G = G.bit_length() - 1
+    DKP = dk + 1  # pass-1 rows: scalar column reads hit distinct banks
+    CP = C + 1
+    HB = C // 2
+    NTRI = HB * (HB + 1) // 2  # 2x2 blocks of the lower triangle (incl. diagonal)
+    mask = 0xFFFFFFFF if NT >= 32 else (1 << NT) - 1
+    swz = _is_pow2(NV4)
+
+    def phys(s4):
+        """Physical float4 slot of logical slot s4 of a staged row (XOR swizzle inside a segment:
+        the G lanes of one column read G segments of the same row without bank conflicts)."""
+        if not swz or NV4 == 1:
+            return s4
+        e_g = s4 // NV4
+        return e_g * NV4 + T.bitwise_xor(s4 % NV4, (e_g // SWD) % NV4)
+
+    def i64(x):
+        return T.Cast("int64", x)
 
     @T.prim_func
     def gdn_chunk(
@@ -164,84 +238,240 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
         slot = T.match_buffer(var_slot, (b,), "int32")
         ssm = T.match_buffer(var_ssm, (s, n_layers, hv, dk, dv), "float32")
         o = T.match_buffer(var_o, (n, hv, dv), "float32")
+        # scratch (workspace): W rows, the masked decayed Q K^T rows, in-chunk cumulative log-decay
+        wsc = T.alloc_buffer((T.max(n, T.int64(1)) * (hv * dk),), "float32", scope="global")
+        mq = T.alloc_buffer((T.max(n, T.int64(1)) * (hv * C),), "float32", scope="global")
+        gsc = T.alloc_buffer((T.max(n, T.int64(1)) * hv,), "float32", scope="global")
+        # ---- 1. per (chunk, value head): gamma, A, M, then U -> o and W -> wsc ----------------
+        for x in T.thread_binding((n + (C - 1)) // C + b, thread="blockIdx.x"):
+            for h in T.thread_binding(hv, thread="blockIdx.y"):
+                for tx in T.thread_binding(NT1, thread="threadIdx.x"):
+                    ks = T.alloc_buffer((C * DKP,), "float32", scope="shared")
+                    qs = T.alloc_buffer((C * DKP,), "float32", scope="shared")
+                    am = T.alloc_buffer((C * CP,), "float32", scope="shared")
+                    graw = T.alloc_buffer((C,), "float32", scope="shared")
+                    gam = T.alloc_buffer((C,), "float32", scope="shared")
+                    egm = T.alloc_buffer((C,), "float32", scope="shared")
+                    bet = T.alloc_buffer((C,), "float32", scope="shared")
+                    loc = T.alloc_buffer((4,), "int32", scope="local")
+                    dots = T.alloc_buffer((8,), "float32", scope="local")
+                    xs = T.alloc_buffer((C,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    # which row / chunk this block is: scan the rows' chunk counts
+                    loc[0] = 0
+                    loc[1] = 0
+                    loc[2] = 0
+                    for rw in range(b):
+                        if T.Cast("int32", x) >= loc[0]:
+                            if T.Cast("int32", x) < loc[0] + (cu[rw + 1] - cu[rw] + (C - 1)) // C:
+                                loc[1] = cu[rw] + (T.Cast("int32", x) - loc[0]) * C
+                                loc[2] = T.min(C, cu[rw + 1] - loc[1])
+                        loc[0] = loc[0] + (cu[rw + 1] - cu[rw] + (C - 1)) // C
+                    c0 = loc[1]
+                    ln = loc[2]
+                    if ln > 0:
+                        for m in range((C + NT1 - 1) // NT1):
+                            if m * NT1 + tx < C:
+                                graw[m * NT1 + tx] = T.if_then_else(
+                                    m * NT1 + tx < ln, g[i64(c0 + m * NT1 + tx), h], T.float32(0))
+                                bet[m * NT1 + tx] = T.if_then_else(
+                                    m * NT1 + tx < ln, beta[i64(c0 + m * NT1 + tx), h], T.float32(0))
+                        for m in range((C * dk + NT1 - 1) // NT1):
+                            if (m * NT1 + tx) // dk < C:
+                                ks[(m * NT1 + tx) // dk * DKP + (m * NT1 + tx) % dk] = T.if_then_else(
+                                    (m * NT1 + tx) // dk < ln,
+                                    k[i64(c0 + (m * NT1 + tx) // dk), h // r, (m * NT1 + tx) % dk], T.float32(0))
+                                qs[(m * NT1 + tx) // dk * DKP + (m * NT1 + tx) % dk] = T.if_then_else(
+                                    (m * NT1 + tx) // dk < ln,
+                                    q[i64(c0 + (m * NT1 + tx) // dk), h // r, (m * NT1 + tx) % dk], T.float32(0))
+                        T.tvm_storage_sync("shared")
+                        # gamma_i = g_0 + ... + g_i (left to right; padded rows add 0)
+                        for m in range((C + NT1 - 1) // NT1):
+                            if m * NT1 + tx < C:
+                                acc[0] = T.float32(0)
+                                for t in T.unroll(C):
+                                    acc[0] = acc[0] + T.Select(t <= m * NT1 + tx, graw[t], T.float32(0))
+                                gam[m * NT1 + tx] = acc[0]
+                                egm[m * NT1 + tx] = T.exp(acc[0])
+                                if m * NT1 + tx < ln:
+                                    gsc[i64(c0 + m * NT1 + tx) * hv + h] = acc[0]
+                        T.tvm_storage_sync("shared")
+                        # A (strictly lower, shared) and M (lower incl. diagonal, scratch): 2x2 blocks
+                        for m in range((NTRI + NT1 - 1) // NT1):
+                            if m * NT1 + tx < NTRI:
+                                loc[3] = 0
+                                for bq in range(1, HB):
+                                    if bq * (bq + 1) // 2 <= m * NT1 + tx:
+                                        loc[3] = bq
+                                for u in T.unroll(8):
+                                    dots[u] = T.float32(0)
+                                for e in range(dk):
+                                    dots[0] = dots[0] + ks[2 * loc[3] * DKP + e] * ks[
+                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                    dots[1] = dots[1] + ks[2 * loc[3] * DKP + e] * ks[
+                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                    dots[2] = dots[2] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
+                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                    dots[3] = dots[3] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
+                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                    dots[4] = dots[4] + qs[2 * loc[3] * DKP + e] * ks[
+                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                    dots[5] = dots[5] + qs[2 * loc[3] * DKP + e] * ks[
+                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                    dots[6] = dots[6] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
+                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                    dots[7] = dots[7] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
+                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                for ii in T.unroll(2):
+                                    for jj in T.unroll(2):
+                                        # i = 2 bi + ii, j = 2 bj + jj
+                                        am[(2 * loc[3] + ii) * CP + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.Select(
+                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj < 2 * loc[3] + ii,
+                                            bet[2 * loc[3] + ii] * T.exp(T.min(
+                                                gam[2 * loc[3] + ii] - gam[2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj],
+                                                T.float32(0))) * dots[ii * 2 + jj],
+                                            T.float32(0))
+                                        if 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj <= 2 * loc[3] + ii:
+                                            if 2 * loc[3] + ii < ln:
+                                                mq[(i64(c0 + 2 * loc[3] + ii) * hv + h) * C
+                                                   + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.exp(T.min(
+                                                    gam[2 * loc[3] + ii] - gam[2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj],
+                                                    T.float32(0))) * dots[4 + ii * 2 + jj]
+                        T.tvm_storage_sync("shared")
+                        # U = (I+A)^-1 beta V (into o), W = (I+A)^-1 beta e^gamma K (into wsc): one
+                        # column per thread, forward substitution in registers
+                        for m in range((dv + dk + NT1 - 1) // NT1):
+                            if m * NT1 + tx < dv + dk:
+                                if m * NT1 + tx < dv:
+                                    for i in T.unroll(C):
+                                        xs[i] = T.if_then_else(
+                                            i < ln, bet[i] * v[i64(c0 + i), h, m * NT1 + tx], T.float32(0))
+                                else:
+                                    for i in T.unroll(C):
+                                        xs[i] = bet[i] * egm[i] * ks[i * DKP + m * NT1 + tx - dv]
+                                for i in T.unroll(C):
+                                    for j in T.unroll(C):
+                                        if j < i:
+                                            xs[i] = xs[i] - am[i * CP + j] * xs[j]
+                                if m * NT1 + tx < dv:
+                                    for i in T.unroll(C):
+                                        if i < ln:
+                                            o[i64(c0 + i), h, m * NT1 + tx] = xs[i]
+                                else:
+                                    for i in T.unroll(C):
+                                        if i < ln:
+                                            wsc[(i64(c0 + i) * hv + h) * dk + (m * NT1 + tx - dv)] = xs[i]
+        # ---- 2. per (row, value head, dv tile): chunks in order, state in registers ------------
         for bi in T.thread_binding(b, thread="blockIdx.x"):
             for h in T.thread_binding(hv, thread="blockIdx.y"):
                 for dt in T.thread_binding(NDT, thread="blockIdx.z"):
-                    for tx in T.thread_binding(DVT, thread="threadIdx.x"):
-                        ks = T.alloc_buffer((C * DKP,), "float32", scope="shared")
-                        am = T.alloc_buffer((C, C), "float32", scope="shared")
-                        mm = T.alloc_buffer((C, C), "float32", scope="shared")
-                        rr = T.alloc_buffer((C,), "float32", scope="local")
-                        gam = T.alloc_buffer((C,), "float32", scope="shared")
-                        bet = T.alloc_buffer((C,), "float32", scope="shared")
-                        col = T.alloc_buffer((dk,), "float32", scope="local")
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        wk = T.alloc_buffer((C * dk,), "float32", scope="shared")  # W, then K
+                        qs = T.alloc_buffer((C * dk,), "float32", scope="shared")
+                        us = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                        vns = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                        oqs = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                        mqs = T.alloc_buffer((C * CP,), "float32", scope="shared")
+                        egs = T.alloc_buffer((C,), "float32", scope="shared")
+                        decs = T.alloc_buffer((C,), "float32", scope="shared")
+                        egl = T.alloc_buffer((1,), "float32", scope="shared")
+                        hs = T.alloc_buffer((EPT,), "float32", scope="local")
+                        wv = T.alloc_buffer((EPT,), "float32", scope="local")
+                        qv = T.alloc_buffer((EPT,), "float32", scope="local")
+                        pw = T.alloc_buffer((1,), "float32", scope="local")
+                        pq = T.alloc_buffer((1,), "float32", scope="local")
                         acc = T.alloc_buffer((1,), "float32", scope="local")
-                        acc2 = T.alloc_buffer((1,), "float32", scope="local")
-                        d = dt * DVT + tx
-                        for e in T.unroll(dk):
-                            col[e] = ssm[slot[bi], layer, h, e, d]
-                        for c in range((cu[bi + 1] - cu[bi] + C - 1) // C):
+                        # thread = (column tx // G, state rows (tx % G) * EPT ...)
+                        for e in T.unroll(EPT):
+                            hs[e] = ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G]
+                        for c in range((cu[bi + 1] - cu[bi] + (C - 1)) // C):
                             c0 = cu[bi] + c * C
                             ln = T.min(C, cu[bi + 1] - c0)
-                            # stage K chunk, cumulative decay, beta
-                            for e0 in range((C * dk + DVT - 1) // DVT):
-                                if (e0 * DVT + tx) // dk < ln:
-                                    ks[(e0 * DVT + tx) // dk * DKP + (e0 * DVT + tx) % dk] = k[
-                                        c0 + (e0 * DVT + tx) // dk, h // r, (e0 * DVT + tx) % dk]
-                            if tx == 0:
-                                acc[0] = T.float32(0)
-                                for t in range(ln):
-                                    acc[0] = acc[0] + g[c0 + t, h]
-                                    gam[t] = acc[0]
-                                    bet[t] = beta[c0 + t, h]
+                            # stage W, Q (swizzled rows), U tile, M, decays; padded rows are zero
+                            for m in range((C * RV4 + NT - 1) // NT):
+                                if (m * NT + tx) // RV4 < C:
+                                    if (m * NT + tx) // RV4 < ln:
+                                        for u in T.vectorized(4):
+                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = wsc[
+                                                (i64(c0 + (m * NT + tx) // RV4) * hv + h) * dk + (m * NT + tx) % RV4 * 4 + u]
+                                        for u in T.vectorized(4):
+                                            qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = q[
+                                                i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
+                                    else:
+                                        for u in T.vectorized(4):
+                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                                        for u in T.vectorized(4):
+                                            qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                            for m in range((C * DVT + NT - 1) // NT):
+                                if m * NT + tx < C * DVT:
+                                    us[m * NT + tx] = T.if_then_else(
+                                        (m * NT + tx) // DVT < ln,
+                                        o[i64(c0 + (m * NT + tx) // DVT), h, dt * DVT + (m * NT + tx) % DVT], T.float32(0))
+                            for m in range((C * C + NT - 1) // NT):
+                                if m * NT + tx < C * C:
+                                    mqs[(m * NT + tx) // C * CP + (m * NT + tx) % C] = T.if_then_else(
+                                        (m * NT + tx) // C < ln and (m * NT + tx) % C <= (m * NT + tx) // C,
+                                        mq[(i64(c0 + (m * NT + tx) // C) * hv + h) * C + (m * NT + tx) % C], T.float32(0))
+                            for m in range((C + NT - 1) // NT):
+                                if m * NT + tx < C:
+                                    egs[m * NT + tx] = T.if_then_else(
+                                        m * NT + tx < ln, T.exp(gsc[i64(c0 + m * NT + tx) * hv + h]), T.float32(0))
+                                    decs[m * NT + tx] = T.if_then_else(
+                                        m * NT + tx < ln,
+                                        T.exp(gsc[i64(c0 + ln - 1) * hv + h] - gsc[i64(c0 + m * NT + tx) * hv + h]),
+                                        T.float32(0))
+                                    if m * NT + tx == 0:
+                                        egl[0] = T.exp(gsc[i64(c0 + ln - 1) * hv + h])
                             T.tvm_storage_sync("shared")
-                            # A (strictly lower) and M (lower incl. diagonal)
-                            for e0 in range((C * C + DVT - 1) // DVT):
-                                if e0 * DVT + tx < C * C:
-                                    acc[0] = T.float32(0)
-                                    acc2[0] = T.float32(0)
-                                    if (e0 * DVT + tx) // C < ln:
-                                        if (e0 * DVT + tx) % C <= (e0 * DVT + tx) // C:
-                                            for e in range(dk):
-                                                acc[0] = acc[0] + ks[(e0 * DVT + tx) // C * DKP + e] * ks[(e0 * DVT + tx) % C * DKP + e]
-                                                acc2[0] = acc2[0] + q[c0 + (e0 * DVT + tx) // C, h // r, e] * ks[(e0 * DVT + tx) % C * DKP + e]
-                                            acc[0] = acc[0] * bet[(e0 * DVT + tx) // C] * T.exp(
-                                                gam[(e0 * DVT + tx) // C] - gam[(e0 * DVT + tx) % C])
-                                            acc2[0] = acc2[0] * T.exp(gam[(e0 * DVT + tx) // C] - gam[(e0 * DVT + tx) % C])
-                                    am[(e0 * DVT + tx) // C, (e0 * DVT + tx) % C] = T.Select(
-                                        (e0 * DVT + tx) % C < (e0 * DVT + tx) // C, acc[0], T.float32(0))
-                                    mm[(e0 * DVT + tx) // C, (e0 * DVT + tx) % C] = acc2[0]
-                            # R = beta (V - e^g K S0);  O = e^g Q S0 (partial, into o)
-                            for i in range(ln):
-                                acc[0] = T.float32(0)
-                                acc2[0] = T.float32(0)
-                                for e in T.unroll(dk):
-                                    acc[0] = acc[0] + ks[i * DKP + e] * col[e]
-                                    acc2[0] = acc2[0] + q[c0 + i, h // r, e] * col[e]
-                                rr[i] = bet[i] * (v[c0 + i, h, d] - T.exp(gam[i]) * acc[0])
-                                o[c0 + i, h, d] = T.exp(gam[i]) * acc2[0]
+                            # V_new = U - W S (rows), Q S (rows): partial dots over this thread's
+                            # state rows, reduced over the G lanes of the column
+                            for i in T.unroll(C):
+                                for kk in T.unroll(NV4):
+                                    for u in T.vectorized(4):
+                                        wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                    for u in T.vectorized(4):
+                                        qv[kk * 4 + u] = qs[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                pw[0] = T.float32(0)
+                                pq[0] = T.float32(0)
+                                for e in T.unroll(EPT):
+                                    pw[0] = pw[0] + wv[e] * hs[e]
+                                    pq[0] = pq[0] + qv[e] * hs[e]
+                                for lg in T.unroll(LOG2G):
+                                    pw[0] = pw[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pw[0], (G // 2) >> lg, 32, 32)
+                                    pq[0] = pq[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pq[0], (G // 2) >> lg, 32, 32)
+                                if tx % G == i % G:
+                                    vns[i * DVT + tx // G] = us[i * DVT + tx // G] - pw[0]
+                                    oqs[i * DVT + tx // G] = egs[i] * pq[0]
                             T.tvm_storage_sync("shared")
-                            # forward substitution (each thread owns its column of R)
-                            for i in range(ln):
-                                acc[0] = rr[i]
-                                for j in range(i):
-                                    acc[0] = acc[0] - am[i, j] * rr[j]
-                                rr[i] = acc[0]
-                            # O += M R
-                            for i in range(ln):
-                                acc[0] = o[c0 + i, h, d]
-                                for j in range(i + 1):
-                                    acc[0] = acc[0] + mm[i, j] * rr[j]
-                                o[c0 + i, h, d] = acc[0]
-                            # S = e^(g_last) S0 + sum_j e^(g_last - g_j) k_j R_j
-                            for e in T.unroll(dk):
-                                col[e] = col[e] * T.exp(gam[ln - 1])
-                            for j in range(ln):
-                                acc[0] = T.exp(gam[ln - 1] - gam[j]) * rr[j]
-                                for e in T.unroll(dk):
-                                    col[e] = col[e] + ks[j * DKP + e] * acc[0]
+                            # stage K into wk (W is consumed); meanwhile O = e^g Q S + M V_new
+                            for m in range((C * RV4 + NT - 1) // NT):
+                                if (m * NT + tx) // RV4 < C:
+                                    if (m * NT + tx) // RV4 < ln:
+                                        for u in T.vectorized(4):
+                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = k[
+                                                i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
+                                    else:
+                                        for u in T.vectorized(4):
+                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                            for m in T.unroll((C + G - 1) // G):
+                                if m * G + tx // DVT < ln:
+                                    acc[0] = oqs[(m * G + tx // DVT) * DVT + tx % DVT]
+                                    for j in T.unroll(C):
+                                        acc[0] = acc[0] + mqs[(m * G + tx // DVT) * CP + j] * vns[j * DVT + tx % DVT]
+                                    o[i64(c0 + m * G + tx // DVT), h, dt * DVT + tx % DVT] = acc[0]
                             T.tvm_storage_sync("shared")
-                        for e in T.unroll(dk):
-                            ssm[slot[bi], layer, h, e, d] = col[e]
+                            # S = e^(g_last) S + (K e^(g_last - g))^T V_new
+                            for e in T.unroll(EPT):
+                                hs[e] = hs[e] * egl[0]
+                            for i in T.unroll(C):
+                                for kk in T.unroll(NV4):
+                                    for u in T.vectorized(4):
+                                        wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                acc[0] = vns[i * DVT + tx // G] * decs[i]
+                                for e in T.unroll(EPT):
+                                    hs[e] = hs[e] + wv[e] * acc[0]
+                            T.tvm_storage_sync("shared")
+                        for e in T.unroll(EPT):
+                            ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G] = hs[e]
 
     return gdn_chunk

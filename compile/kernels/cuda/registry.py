@@ -1,7 +1,8 @@
 """CUDA kernel set: same factory names, prim_func signatures and buffer contracts as the llvm set.
 
 Kernel variant parameters (threads per block, split target, GDN chunk and dv tile) come from the
-"kernels" section of schedules/cuda_<arch>.json, the same file the relax pipeline
+"kernels" section of schedules/cuda_<arch>.json (gemv: the decode GEMV of gemv.py; its sizes are
+per shape, see gemv.mma_warps), the same file the relax pipeline
 (compile/gpu_pipeline.py) reads its DLight choices from (NINFER_SCHEDULE_DIR overrides the folder).
 The arch is the one of the current target scope (`with Target(...)`), else NINFER_CUDA_ARCH, else
 sm_90. compile/build.py constructs the model outside the target scope today, so a build reads the
@@ -16,14 +17,18 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn
+from . import attention, gdn, gdn_decode, norm
+from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
 DEFAULT_KERNELS = {
     "paged_attention": {"threads": 128, "target_blocks": 264},
     "causal_conv": {"threads": 256},
-    "chunked_delta_rule": {"chunk": 32, "dv_tile": 64},
+    "chunked_delta_rule": {"chunk": 32, "state_tile": 16, "ept": 16},
     "recurrent_delta_rule": {},
+    "rms_norm": {"threads": 256},
+    "gemv": {"unroll": 4, "min_warps": 1, "max_warps": 8, "target_warps": 2048, "big_tiles": 4, "fma_warps": 4,
+             "sms": 132},
 }
 
 
@@ -65,11 +70,18 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
     cp = p["chunked_delta_rule"]
 
     def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int | None = None):
-        return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], dv_tile=cp["dv_tile"])
+        return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], state_tile=cp["state_tile"],
+                                      ept=cp["ept"])
 
     return SimpleNamespace(
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"]),
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
         chunked_delta_rule=chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
+        # gemv(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None (decode projections)
+        gemv=partial(gemv_kernels.gemv, **p["gemv"]),
+        # rms_norm(dim, dtype, eps) -> one-launch RMSNorm over the last axis (every function)
+        rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
+        # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
+        gdn_decode=gdn_decode.fused_gdn_decode,
     )

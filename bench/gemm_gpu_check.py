@@ -1,0 +1,150 @@
+"""Prefill GEMM tile variants on the GPU: correctness vs torch and TFLOP/s per variant.
+
+  prep OUT            (here, nvcc + stub libcuda) OUT/gemm.so + OUT/gemm.json: y = cast(x @ W^T) bf16,
+                      fp32 accumulation, dynamic row count, for the 27B projection shapes, once with
+                      DLight's WMMA schedule (TensorCoreMatmul) and once per TiledTensorCoreMatmul config
+  run OUT RESULT.json (GPU machine, runtime-only TVM + torch) max relative error vs torch and the rate
+                      of each variant at 2048 and 8192 rows, next to torch's (cuBLAS) rate
+
+The chosen config goes into schedules/cuda_<arch>.json ("tensor_core").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"qkv": (14336, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
+VARIANTS = {
+    "dlight": None,
+    "w2x4_f4x4_k2": dict(warps_m=2, warps_n=4, frags_m=4, frags_n=4, k_frags=2),
+    "w4x2_f2x4_k4": dict(warps_m=4, warps_n=2, frags_m=2, frags_n=4, k_frags=4),
+    "w2x2_f4x4_k4": dict(warps_m=2, warps_n=2, frags_m=4, frags_n=4, k_frags=4),
+    "w2x4_f4x2_k4": dict(warps_m=2, warps_n=4, frags_m=4, frags_n=2, k_frags=4),
+    "w4x4_f2x4_k2": dict(warps_m=4, warps_n=4, frags_m=2, frags_n=4, k_frags=2),
+}
+ROWS = (2048, 8192)
+
+
+def _mm(n: int, k: int):
+    from tvm import te, tirx
+
+    m = tirx.Var("m", "int64")
+    N, K = tirx.IntImm("int64", n), tirx.IntImm("int64", k)
+    a = te.placeholder((m, K), "bfloat16", name="A")
+    b = te.placeholder((N, K), "bfloat16", name="B")
+    r = te.reduce_axis((0, K), name="k")
+    c = te.compute((m, N), lambda i, j: te.sum(a[i, r].astype("float32") * b[j, r].astype("float32"), axis=r),
+                   name="NT_matmul")
+    d = te.compute((m, N), lambda i, j: c[i, j].astype("bfloat16"), name="cast")
+    return te.create_prim_func([a, b, d])
+
+
+def cmd_prep(a) -> int:
+    sys.path.insert(0, str(ROOT.parent))
+    import tvm
+    from tvm.s_tir.dlight.base.transform import _apply_rules
+
+    from ninfer_mlc.compile.kernels.cuda.tensor_core import TensorCoreMatmul, TiledTensorCoreMatmul
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tgt = parse_target("cuda:" + a.arch).tvm_target()
+    funcs, meta = {}, {}
+    with cuda_build_env(tgt):
+        for vname, cfg in VARIANTS.items():
+            rule = TensorCoreMatmul() if cfg is None else TiledTensorCoreMatmul(**cfg)
+            for sname, (n, k) in SHAPES.items():
+                sch = _apply_rules(_mm(n, k), tgt, [rule], tunable=False)
+                if sch is None:
+                    print(f"{vname} {sname}: rule did not apply", flush=True)
+                    continue
+                name = f"mm_{vname}_{sname}"
+                funcs[name] = sch[0].mod["main"].with_attr("global_symbol", name)
+                meta[name] = {"variant": vname, "shape": sname, "n": n, "k": k, "config": cfg}
+        t = time.time()
+        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
+        print(f"built {len(funcs)} functions in {time.time() - t:.1f}s", flush=True)
+    ex.export_library(str(out / "gemm.so"))
+    (out / "gemm.json").write_text(json.dumps(meta, indent=1))
+    return 0
+
+
+def cmd_run(a) -> int:
+    import numpy as np
+    import torch
+
+    from ninfer_mlc.runtime.tvm_loader import import_tvm
+
+    tvm = import_tvm("cuda")
+    out = Path(a.out)
+    meta = json.loads((out / "gemm.json").read_text())
+    lib = tvm.runtime.load_module(str(out / "gemm.so"))
+    res = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fn, reps):
+        fn()
+        torch.cuda.synchronize()
+        s.record()
+        for _ in range(reps):
+            fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / 1e3 / reps
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for sname, (n, k) in SHAPES.items():
+        w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+        for m in ROWS:
+            x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
+            ref = (x.float() @ w.float().T)
+            flops = 2 * m * n * k
+            t_torch = timed(lambda: x @ w.T, 10)
+            res["rows"].append({"shape": sname, "m": m, "variant": "torch", "tflops": flops / t_torch / 1e12})
+            xt, wt = tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(w)
+            y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+            yt = tvm.runtime.from_dlpack(y)
+            for name, mt in meta.items():
+                if mt["shape"] != sname:
+                    continue
+                f = lib[name]
+                try:
+                    y.fill_(float("nan"))
+                    f(xt, wt, yt)
+                    torch.cuda.synchronize()
+                    err = float(((y.float() - ref).abs().max() / ref.abs().max()).item())
+                    t = timed(lambda: f(xt, wt, yt), 10)
+                    row = {"shape": sname, "m": m, "variant": mt["variant"], "tflops": flops / t / 1e12,
+                           "ms": t * 1e3, "rel_err": err}
+                except Exception as ex:  # noqa: BLE001
+                    row = {"shape": sname, "m": m, "variant": mt["variant"], "error": repr(ex)[:300]}
+                res["rows"].append(row)
+            Path(a.result).write_text(json.dumps(res, indent=1))
+            del x, ref
+    print(f"{'shape':8s} {'rows':>5s} {'variant':14s} {'TFLOP/s':>8s} {'rel_err':>9s}")
+    for r in res["rows"]:
+        print(f"{r['shape']:8s} {r['m']:5d} {r['variant']:14s} {r.get('tflops', float('nan')):8.1f} "
+              f"{r.get('rel_err', float('nan')):9.2e} {r.get('error', '')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prep")
+    p.add_argument("out")
+    p.add_argument("--arch", default="sm_90")
+    r = sub.add_parser("run")
+    r.add_argument("out")
+    r.add_argument("result")
+    a = ap.parse_args(argv)
+    return {"prep": cmd_prep, "run": cmd_run}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

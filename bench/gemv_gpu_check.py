@@ -1,0 +1,797 @@
+"""Decode GEMV (compile/kernels/cuda/gemv.py) on the GPU: correctness vs an fp32 reference, and the
+weight-streaming rate per shape, batch rows and launch-parameter variant.
+
+  prep OUT [--arch sm_90]     (here: compiler + nvcc + stub libcuda, no GPU)
+        OUT/gemv.so   the kernels, built for ARCH: the 27B decode shapes with every variant of
+                      VARIANTS (the "kernels.gemv" parameters), plus odd small shapes (K % 32 != 0,
+                      O % 16 != 0, K % 8 != 0 -> FMA path, f16, f32) with the default parameters
+        OUT/gemv.json case list (shape, epilogue, dtypes, variant, symbol, launch config)
+  run OUT RESULT.json         (GPU machine: runtime-only TVM + numpy + torch) inputs made on the GPU
+        from seeds; every case at n in NS: max error vs torch fp32 (x @ W^T in fp32, epilogue with
+        the kernel's roundings), then us/call and GB/s of weight bytes (weights rotated over enough
+        copies to miss L2), next to the copy bandwidth and torch's (cuBLAS) matmul at the same n.
+  emulate [--quick]           (here, no GPU) run the generated CUDA source of small cases on the CPU:
+        g++ with one std::thread per CUDA thread, barriers for __syncthreads / warp collectives and
+        mma.sync m16n8k16 / shuffles emulated from the PTX fragment layouts; checks vs numpy.
+
+NVFP4 weights (gemv.gemv_nvfp4, the decode path of NVFP4Linear): the 27B shapes of CASES_NVFP4 with every
+NVFP4_VARIANTS entry at n in NS_NVFP4. `run` makes codes / E4M3 block scales / per-row global scales on the
+GPU from a per-shape seed; the reference is compile/nvfp4.py's numpy dequantization of the first copy
+times weight_scale_2, then an fp32 matmul (TF32 off); GB/s counts the NVFP4 bytes (codes + block scales +
+row scales); "vs bf16" is the bf16 kernel's time on the same shape and n over this one's. `emulate` adds
+small NVFP4 shapes (tensor-core and FMA paths, remainders, subnormal / zero block scales, n > 8).
+
+  build27b OUT [--arch sm_90]  (here) the 27B geometry with --quant nvfp4: build time, decode's kernels
+        (gemv_nvfp4*, no dequant_nvfp4 left) and the schedule report -> OUT/q27b_nvfp4.json
+
+Commands:
+  .venv/bin/python bench/gemv_gpu_check.py emulate                  # CPU check of the generated CUDA (~1.5 min)
+  .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv           # ~1 min, gemv.so ~3 MB (bf16 + NVFP4)
+  GPU machine (runtime-only TVM bundle and PYTHONPATH/LD_LIBRARY_PATH as in bench/README.md step 3):
+  python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json       # everything: ~6-9 min on an H100/H200
+  python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv_nvfp4.json --weight nvfp4   # NVFP4 + bf16 baseline
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+# (name, K, O, epilogue, dtype, out dtype) of the Qwen3.x-27B decode projections (bf16)
+CASES_27B = [
+    ("qkv", 5120, 14336, "none", "bfloat16", "bfloat16"),
+    ("in_proj_qkv_z", 5120, 16384, "none", "bfloat16", "bfloat16"),
+    ("in_proj_ba", 5120, 96, "none", "bfloat16", "bfloat16"),
+    ("gate_up_silu", 5120, 34816, "silu_mul", "bfloat16", "bfloat16"),
+    ("down_res", 17408, 5120, "residual", "bfloat16", "bfloat16"),
+    ("o_proj_res", 6144, 5120, "residual", "bfloat16", "bfloat16"),
+    ("lm_head_f32", 5120, 248320, "none", "bfloat16", "float32"),
+]
+# odd shapes: remainders in K and O, FMA path, f16, f32 (default parameters only)
+CASES_ODD = [
+    ("k72_o40_f32out", 72, 40, "none", "bfloat16", "float32"),
+    ("k200_o36_silu", 200, 36, "silu_mul", "bfloat16", "bfloat16"),
+    ("k1000_o24_f16", 1000, 24, "none", "float16", "float16"),
+    ("k96_o50_res_f16", 96, 50, "residual", "float16", "float16"),
+    ("k100_o50_res_fma", 100, 50, "residual", "bfloat16", "bfloat16"),
+    ("k64_o96_silu_f32", 64, 96, "silu_mul", "float32", "float32"),
+    ("k64_o100_res_f32", 64, 100, "residual", "float32", "float32"),
+    ("k5120_o40_res_f32", 5120, 40, "residual", "float32", "float32"),
+]
+VARIANTS = {
+    "default": {},
+    "u2": {"unroll": 2},
+    "u8": {"unroll": 8},
+    "t1024": {"target_warps": 1024},
+    "t4096": {"target_warps": 4096},
+    "w4-8": {"min_warps": 4, "max_warps": 8},
+}
+# (name, K, O, epilogue) of the 27B decode projections with NVFP4 weights (bf16 activations)
+CASES_NVFP4 = [
+    ("qkv", 5120, 14336, "none"),
+    ("gate_up_silu", 5120, 34816, "silu_mul"),
+    ("down_res", 17408, 5120, "residual"),
+    ("o_proj_res", 6144, 5120, "residual"),
+]
+NVFP4_VARIANTS = {
+    "default": {},
+    "u1": {"unroll": 1},
+    "u4": {"unroll": 4},
+    "t1024": {"target_warps": 1024},
+    "t4096": {"target_warps": 4096},
+    "w4-8": {"min_warps": 4, "max_warps": 8},
+}
+NS_NVFP4 = (1, 2, 4, 8, 13)
+NS = (1, 2, 3, 4, 8, 13)
+NS_ODD = (1, 2, 3, 8, 13, 40)
+TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 3e-5}  # max|d| / max|ref|, by output rounding
+
+
+def _params(variant: str) -> dict:
+    from ninfer_mlc.compile.kernels.cuda.registry import DEFAULT_KERNELS
+
+    return {**DEFAULT_KERNELS["gemv"], **VARIANTS[variant]}
+
+
+def _params_nvfp4(variant: str) -> dict:
+    """gemv_nvfp4 keyword arguments as the kernel set passes them (gemv(..., weight_format="nvfp4")), then
+    the variant's overrides."""
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+    from ninfer_mlc.compile.kernels.cuda.registry import DEFAULT_KERNELS
+
+    shared = {k: v for k, v in DEFAULT_KERNELS["gemv"].items() if k not in ("unroll", "big_tiles")}
+    return {**shared, **G.NVFP4_DEFAULTS, **NVFP4_VARIANTS[variant]}
+
+
+def nvfp4_bytes(K: int, O: int) -> int:
+    """Bytes of one NVFP4 weight: codes + E4M3 block scales + fp32 row scales."""
+    return O * K // 2 + O * K // 16 + 4 * O
+
+
+def _cases() -> list[dict]:
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    out = []
+    for variant in VARIANTS:
+        for name, k, o, ep, dt, odt in CASES_27B:
+            out.append(dict(name=name, K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, variant=variant, ns=NS))
+    for name, k, o, ep, dt, odt in CASES_ODD:
+        out.append(dict(name=name, K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, variant="default", ns=NS_ODD))
+    for c in out:
+        p = _params(c["variant"])
+        c["symbol"] = G.symbol(c["K"], c["O"], c["dtype"], c["out_dtype"], c["epilogue"]) + "_" + c["variant"].replace(
+            "-", "_")
+        c["launch"] = G.launch_config(c["K"], c["O"], c["dtype"], c["epilogue"], **p)
+        c["weight_bytes"] = c["K"] * c["O"] * np.dtype(np.float32 if c["dtype"] == "float32" else np.float16).itemsize
+    for name, k, o, ep in CASES_NVFP4:  # shape-major: run() keeps one shape's reference weight at a time
+        for variant in NVFP4_VARIANTS:
+            p = _params_nvfp4(variant)
+            out.append(dict(name=name + "_nvfp4", K=k, O=o, epilogue=ep, dtype="bfloat16", out_dtype="bfloat16",
+                            variant=variant, ns=NS_NVFP4, weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
+                            symbol=G.symbol(k, o, "bfloat16", "bfloat16", ep, "nvfp4") + "_"
+                            + variant.replace("-", "_"),
+                            launch=G.launch_config_nvfp4(k, o, "bfloat16", ep, **p)))
+    return out
+
+
+def _func(c: dict):
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    if c.get("weight") == "nvfp4":
+        f = G.gemv_nvfp4(c["K"], c["O"], c["dtype"], c["out_dtype"], c["epilogue"], **_params_nvfp4(c["variant"]))
+    else:
+        f = G.gemv(c["K"], c["O"], c["dtype"], c["out_dtype"], c["epilogue"], **_params(c["variant"]))
+    return f.with_attr("global_symbol", c["symbol"])
+
+
+def cmd_prep(a) -> int:
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = _cases()
+    tgt = parse_target("cuda:" + a.arch).tvm_target()
+    t = time.time()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule({c["symbol"]: _func(c) for c in cases}), target=tgt)
+    ex.export_library(str(out / "gemv.so"))
+    (out / "gemv.json").write_text(json.dumps({"arch": a.arch, "cases": cases}, indent=1))
+    print(f"built {len(cases)} kernels in {time.time() - t:.1f}s -> {out / 'gemv.so'} "
+          f"({(out / 'gemv.so').stat().st_size} bytes)", flush=True)
+    return 0
+
+
+# ---- reference ---------------------------------------------------------------------------------
+def reference(x32, w32, res32, epilogue: str, dtype: str, out_dtype: str, rnd):
+    """fp32/fp64 reference with the kernel's roundings; rnd(a, dtype) rounds an fp32 array to dtype."""
+    y = x32.astype(np.float64) @ w32.astype(np.float64).T
+    y = y.astype(np.float32)
+    if epilogue == "residual":
+        return rnd(res32 + rnd(y, dtype), out_dtype)
+    if epilogue == "silu_mul":
+        h = y.shape[1] // 2
+        g, u = rnd(y[:, :h], dtype), rnd(y[:, h:], dtype)
+        return rnd(g / (1 + np.exp(-g)) * u, out_dtype)
+    return rnd(y, out_dtype)
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+# ---- GPU run -----------------------------------------------------------------------------------
+def cmd_run(a) -> int:
+    import torch
+
+    from ninfer_mlc.runtime.tvm_loader import import_tvm
+
+    tvm = import_tvm("cuda")
+    out = Path(a.out)
+    meta = json.loads((out / "gemv.json").read_text())
+    lib = tvm.runtime.load_module(str(out / "gemv.so"))
+    tdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    res = {"device": torch.cuda.get_device_name(0), "arch": meta["arch"],
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
+    try:
+        from gpu_bench import _measure_floors
+
+        bw, mm_rate = _measure_floors(torch)
+        res["copy_bandwidth_GBs"] = bw / 1e9
+        res["bf16_matmul_tflops"] = mm_rate / 1e12
+    except Exception as e:  # noqa: BLE001 - floors are context only
+        bw = None
+        res["floors_error"] = repr(e)[:200]
+    print(f"device {res['device']}  copy bandwidth {res.get('copy_bandwidth_GBs', float('nan')):.0f} GB/s", flush=True)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def timed(fns, reps):
+        for f in fns[:2]:
+            f()
+        torch.cuda.synchronize()
+        s.record()
+        for i in range(reps):
+            fns[i % len(fns)]()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e) / 1e3 / reps
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def kernel_us(fns, reps, name=None):
+        """Mean device time of the kernels (name: only those whose name contains it), via CUPTI:
+        launch gaps and Python call overhead excluded."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(reps):
+                fns[i % len(fns)]()
+            torch.cuda.synchronize()
+        tot = 0.0
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0) or 0
+            if t and (name is None or name in ev.key):
+                tot += float(t)
+        return tot / reps if tot else None
+
+    ok_all = True
+    torch_done = set()
+    nvfp4_ref = {}  # (K, O) -> the fp32 reference weight of the first copy (one shape at a time)
+    for ci, c in enumerate(meta["cases"]):
+        if not _selected(c, meta["cases"], a):
+            continue
+        f = lib[c["symbol"]]
+        K, O, ep = c["K"], c["O"], c["epilogue"]
+        OO = O // 2 if ep == "silu_mul" else O
+        dt, odt = tdt[c["dtype"]], tdt[c["out_dtype"]]
+        nv = c.get("weight") == "nvfp4"
+        g = torch.Generator(device="cuda").manual_seed(1000 + ci)
+        # enough weight copies to stream past L2 (>= 256 MB), at most 8
+        copies = int(min(8, max(1, -(-256e6 // c["weight_bytes"]))))
+        if nv:  # per-shape seed: every variant sees the same weights (and reuses the reference)
+            gw = torch.Generator(device="cuda").manual_seed(K * 100003 + O)
+            ws = [nvfp4_gpu_weights(torch, O, K, gw) for _ in range(copies)]
+            wts = [tuple(tvm.runtime.from_dlpack(t) for t in w) for w in ws]
+            if (K, O) not in nvfp4_ref:
+                nvfp4_ref.clear()
+                torch.cuda.empty_cache()
+                nvfp4_ref[(K, O)] = torch.from_numpy(nvfp4_dequant(*(t.cpu().numpy() for t in ws[0]))).cuda()
+            wref = nvfp4_ref[(K, O)]
+        else:
+            ws = [(torch.randn((O, K), device="cuda", generator=g) * K ** -0.5).to(dt) for _ in range(copies)]
+            wts = [tvm.runtime.from_dlpack(w) for w in ws]
+            wref = ws[0]
+        for n in c["ns"]:
+            x = torch.randn((n, K), device="cuda", generator=g).to(dt)
+            r = torch.randn((n, OO), device="cuda", generator=g).to(dt) if ep == "residual" else None
+            y = torch.full((n, OO), float("nan"), device="cuda", dtype=odt)
+            xt, yt = tvm.runtime.from_dlpack(x), tvm.runtime.from_dlpack(y)
+            rt = tvm.runtime.from_dlpack(r) if r is not None else None
+            if nv:  # (x, codes, scales, row scales[, res], out)
+                args = (lambda wt: (xt, *wt, rt, yt)) if r is not None else (lambda wt: (xt, *wt, yt))
+            else:
+                args = (lambda wt: (xt, wt, rt, yt)) if r is not None else (lambda wt: (xt, wt, yt))
+            row = dict(case=c["name"], variant=c["variant"], K=K, O=O, epilogue=ep, dtype=c["dtype"],
+                       out_dtype=c["out_dtype"], n=n, launch=c["launch"], weight=c.get("weight", c["dtype"]),
+                       weight_bytes=c["weight_bytes"])
+            try:
+                f(*args(wts[0]))
+                torch.cuda.synchronize()
+                ref = _torch_reference(torch, x, wref, r, ep, dt, odt)
+                err = rel_err(y.float().cpu().numpy(), ref.cpu().numpy())
+                reps = int(max(20, min(2000, 2e9 / c["weight_bytes"])))
+                fns = [(lambda wt=wt: f(*args(wt))) for wt in wts]
+                t = timed(fns, reps)
+                kt = kernel_us(fns, min(reps, 200), c["symbol"])
+                tk = kt * 1e-6 if kt else t
+                row.update(us=t * 1e6, kernel_us=kt, GBs=c["weight_bytes"] / tk / 1e9, rel_err=err,
+                           ok=bool(err <= TOL[c["out_dtype"]]))
+                if bw:
+                    row["frac_of_copy_bw"] = row["GBs"] * 1e9 / bw
+                key = (K, O, c["dtype"], n)
+                if c["variant"] == "default" and key not in torch_done and c["dtype"] != "float32" and not nv:
+                    torch_done.add(key)
+                    tfns = [(lambda w=w: torch.matmul(x, w.T)) for w in ws]
+                    timed(tfns, 4)
+                    row["torch_kernel_us"] = kernel_us(tfns, min(reps, 200))
+            except Exception as ex:  # noqa: BLE001
+                row.update(error=repr(ex)[:300], ok=False)
+            ok_all &= row["ok"]
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del x, r, y
+        del ws, wts
+        torch.cuda.empty_cache()
+        Path(a.result).write_text(json.dumps(res, indent=1))
+    res["ok"] = bool(ok_all)
+    Path(a.result).write_text(json.dumps(res, indent=1))
+    _print_table(res)
+    return 0 if ok_all else 1
+
+
+def _selected(c: dict, cases: list, a) -> bool:
+    """run's --weight / --variants filters; --weight nvfp4 keeps the default-variant bf16 cases of the NVFP4
+    shapes (the 'vs bf16' baseline)."""
+    weight = getattr(a, "weight", "all")
+    variants = [v for v in (getattr(a, "variants", "") or "").split(",") if v]
+    nv = c.get("weight") == "nvfp4"
+    if weight == "bf16" and nv:
+        return False
+    if weight == "nvfp4" and not nv:
+        shapes = {(d["K"], d["O"], d["epilogue"]) for d in cases if d.get("weight") == "nvfp4"}
+        return c["variant"] == "default" and (c["K"], c["O"], c["epilogue"]) in shapes
+    return not variants or c["variant"] in variants
+
+
+def nvfp4_gpu_weights(torch, O: int, K: int, gen, dev: str = "cuda"):
+    """nvfp4_weights on the GPU (same row kinds: block scales around 1, E4M3 subnormals, large, mixed with
+    zeros; every code byte): (codes uint8 [O, K/2], scales uint8 [O, K/16], row scales fp32 [O])."""
+    codes = torch.randint(0, 256, (O, K // 2), device=dev, dtype=torch.uint8, generator=gen)
+    kind = torch.arange(O, device=dev) % 4
+    lo = torch.tensor([0x30, 0x01, 0x70, 0], device=dev)[kind][:, None]
+    hi = torch.tensor([0x40, 0x07, 0x7E, 3], device=dev)[kind][:, None]
+    u = torch.rand((O, K // 16), device=dev, generator=gen)
+    sc = torch.minimum(lo + (u * (hi - lo + 1)).floor().long(), hi)
+    mixed = torch.tensor([0x00, 0x08, 0x38, 0x3F], device=dev)[sc.clamp(max=3)]
+    scales = torch.where((kind == 3)[:, None], mixed, sc).to(torch.uint8)
+    typical = torch.tensor([1.2, 4 * 2.0 ** -9, 300.0, 0.8], device=dev)[kind]
+    gsc = K ** -0.5 / (2.93 * typical) * (torch.rand(O, device=dev, generator=gen) * 0.6 + 0.7)
+    return codes, scales, gsc.float()
+
+
+def _torch_reference(torch, x, w, r, ep, dt, odt):
+    y = x.float() @ w.float().T  # fp32 (TF32 off)
+    if ep == "residual":
+        return (r.float() + y.to(dt).float()).to(odt).float()
+    if ep == "silu_mul":
+        h = y.shape[1] // 2
+        gg, u = y[:, :h].to(dt).float(), y[:, h:].to(dt).float()
+        return (gg / (1 + torch.exp(-gg)) * u).to(odt).float()
+    return y.to(odt).float()
+
+
+def _print_table(res: dict) -> None:
+    nan = float("nan")
+    print("\nus: wall per call (events, back-to-back calls); kern: CUPTI kernel time; GB/s and %bw (of the copy "
+          "bandwidth) from kern; torch: cuBLAS x @ W^T kernel time")
+    print("NVFP4 rows (*_nvfp4): GB/s of codes + block scales + row scales; 'vs bf16' = the bf16 kernel's time "
+          "(default variant, same shape and n) / this one's")
+    bf16_us = {(r["K"], r["O"], r["epilogue"], r["n"]): r.get("kernel_us") for r in res["rows"]
+               if r.get("weight", r["dtype"]) == "bfloat16" and r["variant"] == "default"}
+    print(f"{'case':18s} {'variant':8s} {'n':>3s} {'us':>8s} {'kern us':>8s} {'GB/s':>6s} {'%bw':>5s} {'torch':>8s} "
+          f"{'vs bf16':>7s} {'rel_err':>8s} ok  launch")
+    for r in res["rows"]:
+        vs = nan
+        if r.get("weight") == "nvfp4" and r.get("kernel_us") and bf16_us.get((r["K"], r["O"], r["epilogue"], r["n"])):
+            vs = bf16_us[(r["K"], r["O"], r["epilogue"], r["n"])] / r["kernel_us"]
+        print(f"{r['case']:18s} {r['variant']:8s} {r['n']:3d} {r.get('us', nan):8.1f} {r.get('kernel_us') or nan:8.1f} "
+              f"{r.get('GBs', nan):6.0f} {100 * r.get('frac_of_copy_bw', nan):5.1f} "
+              f"{r.get('torch_kernel_us') or nan:8.1f} {vs:7.2f} {r.get('rel_err', nan):8.1e} "
+              f"{'ok' if r['ok'] else 'BAD'} {r.get('error', r['launch'])}")
+    # best variant per 27B case and n
+    best = {}
+    for r in res["rows"]:
+        if "GBs" in r and r["ok"]:
+            k = (r["case"], r["n"])
+            if k not in best or r["GBs"] > best[k]["GBs"]:
+                best[k] = r
+    print("\nbest variant per case and n (GB/s):")
+    for (case, n), r in sorted(best.items()):
+        print(f"  {case:18s} n={n:3d} {r['variant']:8s} {r['GBs']:7.0f}")
+    print("OK" if res.get("ok") else "MISMATCH")
+
+
+# ---- CPU emulation of the generated CUDA source ------------------------------------------------
+_SHIM = r"""
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <thread>
+#include <barrier>
+#include <vector>
+#include <functional>
+#define uint unsigned int
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+#define __restrict__
+struct dim3_ { int x, y, z; };
+static thread_local dim3_ threadIdx, blockIdx;
+struct uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+struct nv_bfloat16 {
+  uint16_t v;
+  nv_bfloat16() = default;
+  nv_bfloat16(float f) {
+    uint32_t u; std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) v = 0x7fc0; else { u += 0x7fffu + ((u >> 16) & 1u); v = (uint16_t)(u >> 16); }
+  }
+  operator float() const { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
+};
+struct half {
+  _Float16 v;
+  half() = default;
+  half(float f) : v((_Float16)f) {}
+  operator float() const { return (float)v; }
+};
+template <class T> static inline T max(T a, T b) { return a > b ? a : b; }
+template <class T> static inline T min(T a, T b) { return a < b ? a : b; }
+
+struct Warp { std::barrier<> bar{32}; uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t s[32]; };
+static thread_local Warp* tl_warp;
+static thread_local int tl_lane;
+static thread_local std::barrier<>* tl_block;
+static inline void __syncthreads() { tl_block->arrive_and_wait(); }
+
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int m, int w = 32) {
+  Warp* W = tl_warp; uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
+  W->s[tl_lane] = bits; W->bar.arrive_and_wait();
+  uint64_t o = W->s[tl_lane ^ m]; W->bar.arrive_and_wait();
+  T r; std::memcpy(&r, &o, sizeof(T)); return r;
+}
+static inline float emu_half(uint32_t reg, int hi, int bf16) {
+  uint16_t h = hi ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
+  if (bf16) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
+  _Float16 x; std::memcpy(&x, &h, 2); return (float)x;
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: PTX ISA fragment layouts (groupID g = lane>>2, q = lane&3)
+//   A: a0=(g, 2q..2q+1) a1=(g+8, 2q..) a2=(g, 2q+8..) a3=(g+8, 2q+8..); B: b0=(k 2q..2q+1, n g) b1=(k 2q+8.., n g)
+//   C/D: c0,c1=(g, 2q, 2q+1), c2,c3=(g+8, 2q, 2q+1)
+static inline void emu_mma(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1, int bf16) {
+  Warp* W = tl_warp; int l = tl_lane;
+  W->a[l][0] = a0; W->a[l][1] = a1; W->a[l][2] = a2; W->a[l][3] = a3; W->b[l][0] = b0; W->b[l][1] = b1;
+  for (int i = 0; i < 4; ++i) W->c[l][i] = d[i];
+  W->bar.arrive_and_wait();
+  float out[4];
+  int g = l >> 2, q = l & 3;
+  for (int i = 0; i < 4; ++i) {
+    int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
+    double acc = W->c[l][i];
+    for (int k = 0; k < 16; ++k) {
+      int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
+      acc += (double)emu_half(W->a[al][ar], k % 2, bf16) * (double)emu_half(W->b[bl][br], k % 2, bf16);
+    }
+    out[i] = (float)acc;
+  }
+  W->bar.arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+static inline void ninfer_gemv_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+  emu_mma(d, a0, a1, a2, a3, b0, b1, 1);
+}
+static inline void ninfer_gemv_mma_f16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+  emu_mma(d, a0, a1, a2, a3, b0, b1, 0);
+}
+static inline uint4 ninfer_gemv_ldg_w(const void* p, int pred) { return pred ? *(const uint4*)p : uint4{0, 0, 0, 0}; }
+static inline uint4 ninfer_gemv_ldg_x(const void* p, int pred) { return pred ? *(const uint4*)p : uint4{0, 0, 0, 0}; }
+#define uchar unsigned char
+#define ushort unsigned short
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+// fma.rn.bf16x2(a, b, -0): exact fp32 product (<= 16 significant bits, no fp32 underflow in our use), then
+// round to nearest even bf16 (fp32 and bf16 subnormals share the exponent range)
+static inline uint16_t emu_bf16_rn(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
+}
+static inline unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
+  float lo = emu_half(a, 0, 1) * emu_half(b, 0, 1), hi = emu_half(a, 1, 1) * emu_half(b, 1, 1);
+  return (unsigned)emu_bf16_rn(lo) | ((unsigned)emu_bf16_rn(hi) << 16);
+}
+
+static void run_grid(int grid, int nt, const std::function<void()>& body) {
+  for (int b = 0; b < grid; ++b) {
+    std::barrier<> block(nt);
+    std::vector<Warp*> warps;
+    for (int w = 0; w < (nt + 31) / 32; ++w) warps.push_back(new Warp());
+    std::vector<std::thread> th;
+    for (int t = 0; t < nt; ++t)
+      th.emplace_back([&, t]() {
+        threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0};
+        tl_warp = warps[t / 32]; tl_lane = t % 32; tl_block = &block;
+        body();
+      });
+    for (auto& x : th) x.join();
+    for (auto* w : warps) delete w;
+  }
+}
+"""
+
+_KERNEL_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\(([^)]*)\) \{')
+
+
+def _strip_helpers(src: str) -> str:
+    """Kernel definitions only (the CUDA preamble and our inline-asm helpers are replaced by the shim)."""
+    i = src.index('extern "C" __global__')
+    body = src[i:]
+    # drop the forward declarations (lines ending in ');' that start with extern "C")
+    body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", body)  # one copy per block (blocks run in turn)
+    return "\n".join(ln for ln in body.splitlines() if not (ln.startswith('extern "C"') and ln.rstrip().endswith(");")))
+
+
+def _launcher(name: str, nt: int, params: str) -> str:
+    args, casts = [], []
+    for p in params.split(","):
+        p = p.strip()
+        ty, pname = p.rsplit(" ", 1)
+        ty = ty.replace("__restrict__", "").strip()
+        key = {"out_ptr": "out", "res_ptr": "res", "wu_ptr": "w", "w_ptr": "w", "xu_ptr": "x", "x_ptr": "x",
+               "n": "n", "ws_ptr": "ws", "wsh_ptr": "ws", "ws2_ptr": "g"}[pname]
+        casts.append(f"({ty}){key}" if key != "n" else "n")
+    args = ", ".join(casts)
+    return (f'extern "C" void launch_{name}(int grid, void* out, void* res, void* w, void* x, int64_t n, void* ws, '
+            f"void* g) {{\n  run_grid(grid, {nt}, [&]() {{ {name}({args}); }});\n}}\n")
+
+
+def build_emulator(funcs: dict, workdir: Path):
+    """Compile {symbol: prim_func} for CUDA (sm_90, nvcc) and the generated source for the CPU.
+    Returns (ctypes library, {kernel name: threads per block})."""
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    tgt = parse_target("cuda:sm_90").tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    kern = _strip_helpers(src)
+    kernels = {m.group(2): (int(m.group(1)), m.group(3)) for m in _KERNEL_RE.finditer(src)}
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    # the NVFP4 decode helper is plain C around ninfer_bf16x2_mul: its own text runs on the emulator
+    code = (_SHIM + G._NVFP4_DQ_BODY + kern + "\n"
+            + "".join(_launcher(k, nt, p) for k, (nt, p) in kernels.items()))
+    cpp, so = workdir / "gemv_emu.cpp", workdir / "gemv_emu.so"
+    cpp.write_text(code)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(so), str(cpp)],
+                   check=True)
+    return ctypes.CDLL(str(so)), {k: nt for k, (nt, _) in kernels.items()}
+
+
+def _np(dtype: str):
+    import ml_dtypes
+
+    return {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+            "float32": np.dtype(np.float32)}[dtype]
+
+
+def _rnd(a, dtype):
+    return np.asarray(a, np.float32).astype(_np(dtype)).astype(np.float32)
+
+
+def emulate_case(lib, symbol: str, K: int, O: int, epilogue: str, dtype: str, out_dtype: str, n: int,
+                 seed: int = 0) -> float:
+    """Run one case on the CPU emulator; returns rel_err vs the numpy reference (inf: NaN / unwritten)."""
+    rng = np.random.default_rng(seed)
+    OO = O // 2 if epilogue == "silu_mul" else O
+    x = rng.standard_normal((n, K)).astype(_np(dtype))
+    w = (rng.standard_normal((O, K)) * K ** -0.5).astype(_np(dtype))
+    r = rng.standard_normal((n, OO)).astype(_np(dtype))
+    y = np.full((n, OO), np.nan, np.float32).astype(_np(out_dtype))
+    if dtype in ("bfloat16", "float16") and K % 8 == 0:  # tensor-core path: host picks the launch on n
+        grid = (OO + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+        kname = symbol + ("_kernel" if n <= 8 else "_kernel_1")
+    else:
+        grid = (OO + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
+        kname = symbol + "_kernel"
+    fn = getattr(lib, "launch_" + kname)
+    fn.argtypes = _LAUNCH_ARGTYPES
+    fn(grid, y.ctypes.data, r.ctypes.data, w.ctypes.data, x.ctypes.data, n, None, None)
+    ref = reference(x.astype(np.float32), w.astype(np.float32), r.astype(np.float32), epilogue, dtype, out_dtype, _rnd)
+    return rel_err(y.astype(np.float32), ref)
+
+
+_LAUNCH_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                    ctypes.c_void_p, ctypes.c_void_p]
+
+
+def nvfp4_weights(rng, O: int, K: int):
+    """(codes uint8 [O, K/2], E4M3 block scales uint8 [O, K/16], row scales fp32 [O]) with every code value
+    and, by row o % 4: block scales around 1; E4M3 subnormals (0.002-0.014); large (128-448); a mix of zero,
+    the smallest normal, 1 and 1.875. Row scales make every dequantized row ~K^-0.5 in size, so the error
+    check sees all four kinds."""
+    codes = rng.integers(0, 256, (O, K // 2), dtype=np.uint8)
+    kind = np.arange(O) % 4
+    lo = np.array([0x30, 0x01, 0x70, 0])[kind][:, None]
+    hi = np.array([0x40, 0x07, 0x7E, 3])[kind][:, None]
+    scales = rng.integers(lo, hi + 1, (O, K // 16)).astype(np.uint8)
+    mixed = kind == 3
+    scales[mixed] = np.array([0x00, 0x08, 0x38, 0x3F], np.uint8)[scales[mixed]]
+    typical = np.array([1.2, 4 * 2.0 ** -9, 300.0, 0.8])[kind]
+    g = (K ** -0.5 / (2.93 * typical) * rng.uniform(0.7, 1.3, O)).astype(np.float32)
+    return codes, scales, g
+
+
+def nvfp4_dequant(codes, scales, g) -> np.ndarray:
+    """The reference weight: compile/nvfp4.py's dequantization times the row scale (fp32)."""
+    from ninfer_mlc.compile import nvfp4
+
+    w = nvfp4.dequantize_nvfp4(codes, scales, n=codes.shape[1] * 2)
+    return (w * np.asarray(g, np.float32)[:, None]).astype(np.float32)
+
+
+def emulate_nvfp4_case(lib, symbol: str, K: int, O: int, epilogue: str, dtype: str, out_dtype: str, n: int,
+                       seed: int = 0) -> float:
+    """One gemv_nvfp4 case on the CPU emulator; rel_err vs x @ nvfp4_dequant(...)^T (+ epilogue)."""
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    rng = np.random.default_rng(seed)
+    OO = O // 2 if epilogue == "silu_mul" else O
+    codes, scales, g = nvfp4_weights(rng, O, K)
+    x = rng.standard_normal((n, K)).astype(_np(dtype))
+    r = rng.standard_normal((n, OO)).astype(_np(dtype))
+    y = np.full((n, OO), np.nan, np.float32).astype(_np(out_dtype))
+    if G._nvfp4_mma_path(K, dtype):
+        grid = (OO + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+        kname = symbol + ("_kernel" if n <= 8 else "_kernel_1")
+    else:
+        grid = (OO + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
+        kname = symbol + "_kernel"
+    fn = getattr(lib, "launch_" + kname)
+    fn.argtypes = _LAUNCH_ARGTYPES
+    fn(grid, y.ctypes.data, r.ctypes.data, codes.ctypes.data, x.ctypes.data, n, scales.ctypes.data, g.ctypes.data)
+    w = nvfp4_dequant(codes, scales, g)
+    ref = reference(x.astype(np.float32), w, r.astype(np.float32), epilogue, dtype, out_dtype, _rnd)
+    return rel_err(y.astype(np.float32), ref)
+
+
+EMU_CASES = [
+    # (K, O, epilogue, dtype, out dtype, params): every code path at small sizes
+    (256, 48, "none", "bfloat16", "bfloat16", {}),
+    (72, 40, "none", "bfloat16", "float32", {}),
+    (200, 36, "silu_mul", "bfloat16", "bfloat16", {}),
+    (1024, 32, "silu_mul", "bfloat16", "bfloat16", {"unroll": 2}),
+    (512, 40, "residual", "float16", "float16", {}),
+    (5120, 16, "residual", "bfloat16", "bfloat16", {}),  # 27B K, 8 warps, several iterations per warp
+    (6144, 32, "none", "bfloat16", "bfloat16", {"unroll": 8, "max_warps": 16, "min_warps": 16}),
+    (1024, 64, "silu_mul", "bfloat16", "bfloat16", {"target_warps": 1}),  # one warp per block
+    (17408, 16, "residual", "bfloat16", "bfloat16", {"min_warps": 6, "max_warps": 6}),  # 136 chunks / 6 warps
+    (100, 50, "residual", "bfloat16", "bfloat16", {}),  # K % 8 != 0 -> FMA
+    (64, 96, "silu_mul", "float32", "float32", {}),
+    (70, 10, "none", "float32", "float32", {}),
+]
+
+
+EMU_NVFP4_CASES = [
+    # (K, O, epilogue, dtype, out dtype, params) of gemv_nvfp4: tensor-core path (bf16, K % 32 == 0) and FMA path
+    (256, 48, "none", "bfloat16", "bfloat16", {}),
+    (512, 40, "residual", "bfloat16", "bfloat16", {"unroll": 1}),  # O % 16 != 0, 4 warps split K
+    (384, 36, "silu_mul", "bfloat16", "bfloat16", {}),  # O/2 % 8 != 0, K % 256 != 0
+    (1024, 32, "none", "bfloat16", "float32", {"unroll": 1, "target_warps": 1}),  # one warp, fp32 out
+    (5120, 16, "residual", "bfloat16", "bfloat16", {}),  # 27B K: 20 chunks over 5 warps
+    (6144, 32, "silu_mul", "bfloat16", "bfloat16", {"unroll": 4, "min_warps": 3, "max_warps": 3}),
+    (48, 40, "residual", "bfloat16", "bfloat16", {}),  # K % 32 != 0 -> FMA
+    (64, 96, "silu_mul", "float32", "float32", {}),  # f32 activations -> FMA
+    (96, 24, "none", "float16", "float16", {}),  # f16 -> FMA
+]
+
+
+def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[dict]:
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+
+    cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
+    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
+    funcs, meta = {}, []
+    for i, (k, o, ep, dt, odt, prm) in enumerate(cases):
+        sym = f"emu{i}_" + G.symbol(k, o, dt, odt, ep)
+        p = {**_params("default"), **prm}
+        funcs[sym] = G.gemv(k, o, dt, odt, ep, **p).with_attr("global_symbol", sym)
+        meta.append((sym, k, o, ep, dt, odt, prm, None))
+    for i, (k, o, ep, dt, odt, prm) in enumerate(ncases):
+        sym = f"emu{i}_" + G.symbol(k, o, dt, odt, ep, "nvfp4")
+        p = {**_params_nvfp4("default"), **prm}
+        funcs[sym] = G.gemv_nvfp4(k, o, dt, odt, ep, **p).with_attr("global_symbol", sym)
+        meta.append((sym, k, o, ep, dt, odt, prm, "nvfp4"))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gemv_emu_") as d:
+        lib, _ = build_emulator(funcs, Path(d))
+        for sym, k, o, ep, dt, odt, prm, wf in meta:
+            for n in ((1, 5, 8, 13) if quick else (1, 2, 3, 8, 9, 13, 40)):
+                run = emulate_nvfp4_case if wf else emulate_case
+                err = run(lib, sym, k, o, ep, dt, odt, n, seed=n)
+                row = dict(K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, params=prm, n=n, rel_err=err,
+                           ok=bool(err <= TOL[odt]), **({"weight": wf} if wf else {}))
+                rows.append(row)
+                log(json.dumps(row))
+    return rows
+
+
+def cmd_emulate(a) -> int:
+    rows = run_emulation(a.quick)
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)}/{len(rows)} ok")
+    return 1 if bad else 0
+
+
+def cmd_build27b(a) -> int:
+    """The Qwen3.x-27B geometry (bench/gpu_bench.py Q27B) with NVFP4 decoder projections (`--quant nvfp4`,
+    bf16 activations) built for cuda:ARCH: build time, the kernels the decode / mtp-free functions call (no
+    dequant_nvfp4 may be left in decode) and the schedule report (gpu_pipeline.last_report()) of the decode
+    GEMVs. Writes OUT/q27b_nvfp4.so and OUT/q27b_nvfp4.json."""
+    import os
+
+    import tvm
+
+    from gpu_bench import Q27B
+    from ninfer_mlc.compile import gpu_pipeline
+    from ninfer_mlc.compile.build import build_library
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.model import Qwen3xForCausalLM
+    from ninfer_mlc.compile.targets import parse_target
+
+    os.environ.pop("NINFER_LIB_CACHE", None)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = parse_config(Q27B)
+    t0 = time.time()
+    m = Qwen3xForCausalLM(cfg, "bfloat16", "cuda", None, weight_quant="nvfp4")
+    mod, _ = m.export_tvm(spec=m.export_spec())
+    calls = {gv.name_hint: sorted(set(re.findall(r"call_tir\((?:cls\.)?(\w+)", f.script())))
+             for gv, f in mod.functions_items() if isinstance(f, tvm.relax.Function)}
+    print(f"export {time.time() - t0:.1f}s", flush=True)
+    t1 = time.time()
+    build_library(cfg, "bfloat16", parse_target("cuda:" + a.arch), out / "q27b_nvfp4.so", weight_quant="nvfp4")
+    build_s = time.time() - t1
+    report = gpu_pipeline.last_report()
+    dec = calls["decode"]
+    info = {"arch": a.arch, "build_seconds": build_s, "library_bytes": (out / "q27b_nvfp4.so").stat().st_size,
+            "decode_calls": dec, "decode_dequant": [c for c in dec if "dequant" in c],
+            "decode_gemv_nvfp4": [c for c in dec if c.startswith("gemv_nvfp4")],
+            "prefill_dequant": [c for c in calls["prefill"] if "dequant" in c],
+            "report_gemv_nvfp4": {k: v for k, v in report.items() if k.startswith("gemv_nvfp4")},
+            "report_dequant": {k: v for k, v in report.items() if "dequant" in k},
+            "schedule_report": report}
+    (out / "q27b_nvfp4.json").write_text(json.dumps(info, indent=1))
+    print(f"27b nvfp4 ({a.arch}): built in {build_s:.1f}s, {info['library_bytes']} bytes")
+    print("decode gemv_nvfp4:", info["decode_gemv_nvfp4"])
+    print("decode dequant:", info["decode_dequant"] or "none")
+    print("report gemv_nvfp4:", info["report_gemv_nvfp4"])
+    print("report dequant (prefill / verify / prefill_h):", info["report_dequant"])
+    return 0 if not info["decode_dequant"] and info["decode_gemv_nvfp4"] else 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prep")
+    p.add_argument("out")
+    p.add_argument("--arch", default="sm_90")
+    r = sub.add_parser("run")
+    r.add_argument("out")
+    r.add_argument("result")
+    r.add_argument("--weight", choices=("all", "bf16", "nvfp4"), default="all",
+                   help="nvfp4: the NVFP4 cases and the bf16 default-variant cases of the same shapes")
+    r.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    m = sub.add_parser("emulate")
+    m.add_argument("--quick", action="store_true")
+    b = sub.add_parser("build27b")
+    b.add_argument("out")
+    b.add_argument("--arch", default="sm_90")
+    a = ap.parse_args(argv)
+    return {"prep": cmd_prep, "run": cmd_run, "emulate": cmd_emulate, "build27b": cmd_build27b}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,910 @@
+"""CUDA small-batch GEMV for the decode projections (thread-bound TIR).
+
+  gemv(x[n,K], w[O,K], [res[n,Oo]], out[n,Oo]):  y = x @ w^T accumulated in fp32, then an epilogue
+    "none"      out = cast(y)
+    "residual"  out = cast(res + cast(y))          (the decoder's x + proj(h), one launch)
+    "silu_mul"  out = cast(silu(y[:, :O/2]) * y[:, O/2:])   (MLP gate_up; Oo = O/2)
+  x, w, res share the activation dtype; out is that dtype, or float32 (lm_head).
+
+Tensor-core path (bf16 / f16 weights, K % 8 == 0): a warp owns a tile of 16 weight rows and runs
+mma.sync m16n8k16 (fp32 accumulators) with the weight tile as A and 8 batch rows as B. Lane
+(g = lane/4, q = lane%4) loads 16 bytes (8 elements) of weight rows g and g+8 and of x row g at
+k = k0 + 8q: K is summed in a permuted order (element 4j+{0,1} of the chunk goes to mma slot 2q+{0,1}
+of step j, 4j+{2,3} to slot 2q+8+{0,1}) that is the same for A and B, so no shuffles or shared-memory
+staging are needed and each weight byte is loaded once, 16 bytes per lane (ld.global.nc with
+L1::no_allocate: the weight streams past L1, where x stays). Rows g and g+8 are rows 16t+g and
+16t+8+g, or for silu_mul the gate row 8t+g and its up row O/2+8t+g, so the epilogue pairs them in
+one thread. The cost is independent of n <= 8 (unused B columns are zeros).
+  grid (tiles), block NW warps splitting K (warp w takes chunks w, w+NW, ... of 32*U elements);
+  the NW partial 16x8 tiles are summed in shared memory, then the epilogue threads write out.
+  NW ~ target_warps / tiles (mma_warps), and __launch_bounds__(32*NW, blocks per SM for the grid to
+  be resident at once on `sms` SMs) so that ptxas issues an iteration's 2U+U loads before its mma
+  chain (without the minimum it interleaves them to save registers; checked in the SASS).
+Batches n > 8 take a second launch (host-side branch on n) with `big_tiles` 8-row batch tiles
+per pass (more accumulators, weights read once per pass of 8*big_tiles rows).
+Parameters: schedules/cuda_<arch>.json "kernels.gemv" (registry.DEFAULT_KERNELS).
+
+FMA path (float32 weights, or K % 8 != 0): 4 weight rows x 8 batch rows per block, lanes stride
+over K (coalesced scalar loads), warp-shuffle then shared-memory reduction; any n in passes of 8.
+
+NVFP4 weights (gemv_nvfp4, or gemv(..., weight_format="nvfp4"); NVFP4Linear's buffers: codes u8 [O, K/2]
+with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scales g [O]):
+  the same tiles, epilogues and n <= 8 / n > 8 launches, with the dequantization in registers. Lane
+  (g, q) loads 16 bytes = 32 codes of rows g and g+8 at k = k0 + 32q (unroll steps of 128 K per warp),
+  their two scale bytes (one u16) and the 32 matching x elements (4 x 16 bytes). ninfer_nvfp4_dq32 turns
+  the codes into 16 bf16x2 A words, pair i of code word m = (element 8m+i, element 8m+i+4): each pair is
+  a masked nibble pair times 2^6 + 2^12, masked again (the bf16 bits of e2m1 * 2^-126, 0.5 being the
+  subnormal 0x0040), then one bf16x2 multiply by the block scale * 2^119 (from the E4M3 byte shifted into
+  bf16, exact for E4M3 subnormals too, times 2^120 and 2^119). The products e2m1 * s * 2^-7 have <= 5
+  significant bits and stay normal, so the bf16 weights are exact (today's dequant path rounds
+  e2m1 * s * g to bf16; this one is closer to the fp32 reference) and the epilogue multiplies the fp32 sum
+  by g * 2^7. x words are re-paired with one byte_perm each to the same K order, so the mma.sync
+  m16n8k16 chain is the bf16 kernel's. About 3 ALU/FMA-pipe instructions per weight element (SASS).
+  Other dtypes or K % 32 != 0: the FMA layout, each element dequantized exactly as dequant.py does.
+  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles) + the kernel set's
+  min/max/target_warps, fma_warps and sms.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tvm.script import tirx as T
+
+EPILOGUES = ("none", "residual", "silu_mul")
+_MMA_TYPES = {"bfloat16": "bf16", "float16": "f16"}
+
+
+def _mma_source(dtype: str) -> tuple[str, str]:
+    t = _MMA_TYPES[dtype]
+    name = f"ninfer_gemv_mma_{t}"
+    src = (
+        f"__device__ __forceinline__ void {name}(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,"
+        " unsigned b0, unsigned b1) {\n"
+        f'  asm("mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, '
+        '{%8,%9}, {%0,%1,%2,%3};\\n"\n'
+        '      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])\n'
+        '      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));\n'
+        "}\n"
+    )
+    return name, src
+
+
+# 16-byte loads, predicated inside the asm (no branch: the loads of an iteration stay one straight
+# block that ptxas can issue back to back); a false predicate gives zeros and touches no memory.
+# Weights stream past L1 (no_allocate) with a 256-byte L2 prefetch; x is cached in L1 (re-read by
+# every tile of the SM).
+_LDG_W = "ninfer_gemv_ldg_w"
+_LDG_X = "ninfer_gemv_ldg_x"
+
+
+def _ldg_source(name: str, qual: str) -> str:
+    return (
+        f"__device__ __forceinline__ uint4 {name}(const void* p, int pred) {{\n"
+        "  uint4 r = make_uint4(0u, 0u, 0u, 0u);\n"
+        '  asm("{\\n .reg .pred q;\\n setp.ne.b32 q, %5, 0;\\n'
+        f' @q ld.global.nc{qual}.v4.u32 {{%0,%1,%2,%3}}, [%4];\\n}}"\n'
+        '      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w) : "l"(p), "r"(pred));\n'
+        "  return r;\n"
+        "}\n"
+    )
+
+
+_LDG_W_SRC = _ldg_source(_LDG_W, ".L1::no_allocate.L2::256B")
+_LDG_X_SRC = _ldg_source(_LDG_X, "")
+
+
+def mma_warps(K: int, O: int, epilogue: str, *, unroll: int, min_warps: int, max_warps: int,
+              target_warps: int) -> int:
+    """Warps per block (splitting K) of the tensor-core path: target_warps // tiles within
+    [min_warps, max_warps], and no more than there are K chunks.
+
+    Every block lives for most of the kernel (its share of the bandwidth is total / resident
+    blocks), so a grid that overflows one wave leaves a tail of late blocks with too few loads in
+    flight; target_warps keeps the grid of mid-size shapes resident at once (about 16 warps per SM on
+    132 SMs), while huge grids (lm_head) run many short waves with plenty in flight."""
+    tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+    its = (K + 32 * unroll - 1) // (32 * unroll)
+    lo, hi = max(1, min_warps), max(1, min(max_warps, its))
+    want = min(max(target_warps // max(1, tiles), lo), hi)
+    # prefer a warp count that divides the K chunks (no K predicate: ptxas then keeps the loads of an
+    # iteration ahead of the mma chain), the nearest to `want`, the larger on a tie
+    divs = [d for d in range(lo, hi + 1) if its % d == 0]
+    return min(divs, key=lambda d: (abs(d - want), -d)) if divs else want
+
+
+def resident_blocks(tiles: int, threads: int, sms: int, min_regs: int = 80) -> int:
+    """Blocks per SM for the whole grid to be resident on `sms` SMs, within the SM's thread and block
+    limits and leaving ptxas at least min_regs registers per thread."""
+    mb = min(-(-tiles // max(1, sms)), 32, max(1, 2048 // threads), max(1, 65536 // (min_regs * threads)))
+    return max(1, mb)
+
+
+def supported(K: int, O: int, dtype: str, out_dtype: str, epilogue: str) -> bool:
+    if epilogue not in EPILOGUES or dtype not in ("bfloat16", "float16", "float32"):
+        return False
+    if out_dtype not in (dtype, "float32"):
+        return False
+    if epilogue == "silu_mul" and O % 2:
+        return False
+    if epilogue == "residual" and out_dtype != dtype:
+        return False
+    return K >= 1 and O >= 1
+
+
+def _epilogue_value(epilogue, dtype, out_dtype, v, res_val):
+    if epilogue == "residual":
+        return T.Cast(out_dtype, T.Cast("float32", res_val) + T.Cast("float32", T.Cast(dtype, v)))
+    return T.Cast(out_dtype, v)
+
+
+def _silu_mul(dtype, out_dtype, gate, up):
+    g = T.Cast("float32", T.Cast(dtype, gate))
+    u = T.Cast("float32", T.Cast(dtype, up))
+    return T.Cast(out_dtype, g / (T.float32(1) + T.exp(-g)) * u)
+
+
+# ---------------------------------------------------------------------------------------------
+def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
+    silu = epilogue == "silu_mul"
+    has_res = epilogue == "residual"
+    U = unroll
+    OO = O // 2 if silu else O
+    TILES = (OO + 7) // 8 if silu else (O + 15) // 16
+    KU = K // 2  # uint32 words per row
+    KC = 32 * U  # K elements per warp iteration
+    ITS = (K + KC - 1) // KC
+    NW = mma_warps(K, O, epilogue, unroll=U, min_warps=min_warps, max_warps=max_warps, target_warps=target_warps)
+    NIT = (ITS + NW - 1) // NW
+    NT = 32 * NW
+    min_blocks = resident_blocks(TILES, NT, sms)
+    k_pred = K % KC != 0 or ITS % NW != 0
+    row_pred = (OO % 8 != 0) if silu else (O % 16 != 0)
+    mma_name, mma_src = _mma_source(dtype)
+
+    def row_lo(tile, g):
+        return tile * 8 + g if silu else tile * 16 + g
+
+    def row_hi(tile, g):
+        return OO + tile * 8 + g if silu else tile * 16 + 8 + g
+
+    def lo_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + g < O
+
+    def hi_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + 8 + g < O
+
+    def k0(it, tx, u):
+        """first K element of lane tx's 16-byte chunk u in its warp's iteration it"""
+        return (it * NW + tx // 32) * KC + u * 32 + tx % 4 * 8
+
+    def k_ok(it, tx, u):
+        return k0(it, tx, u) < K if k_pred else True
+
+    def make_body(NBT: int):
+        NB = 8 * NBT
+        # __launch_bounds__(NT, MB): the small-batch launch asks for the blocks per SM that keep the grid
+        # resident at once; ptxas then schedules each iteration's loads ahead of the mma chain within
+        # that register budget (without a minimum it trades the load batching for fewer registers)
+        MB = min_blocks if NBT == 1 else 1
+        NE = NBT * (64 if silu else 128)  # epilogue entries per pass
+        NEP = (NE + NT - 1) // NT
+
+        def xrow(ps, bt, tx):
+            """batch row whose x lane tx loads for batch tile bt (B column g = lane/4)"""
+            return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
+
+        # plain / residual entry e (< NBT*128): (bt, lane l, i) -> row slot l/4 + 8*(i//2), col 2(l%4) + i%2
+        def p_part(w, e):
+            return part_index(w, e // 128, e % 128 // 4, e % 4)
+
+        def p_b(ps, e):
+            return T.Cast("int64", ps * NB + e // 128 * 8 + e % 128 // 4 % 4 * 2 + e % 2)
+
+        def p_row(tile, e):
+            return tile * 16 + e % 128 // 16 + e % 4 // 2 * 8
+
+        # silu entry e (< NBT*64): (bt, lane l, j): gate = (slot l/4, col 2(l%4)+j), up = slot + 8
+        def s_part(w, e, up):
+            return part_index(w, e // 64, e % 64 // 2, e % 2 + 2 * up)
+
+        def s_b(ps, e):
+            return T.Cast("int64", ps * NB + e // 64 * 8 + e % 64 // 2 % 4 * 2 + e % 2)
+
+        def s_slot(e):
+            return e % 64 // 8
+
+        def part_index(w, bt, lane, i):
+            return ((w * NBT + bt) * 32 + lane) * 4 + i
+
+        @T.macro
+        def body(n, xu, wu, res, out):
+            for tile in T.thread_binding(TILES, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
+                        wl = T.alloc_buffer((U * 4,), "uint32", scope="local")
+                        wh = T.alloc_buffer((U * 4,), "uint32", scope="local")
+                        xr = T.alloc_buffer((NBT * U * 4,), "uint32", scope="local")
+                        acc = T.alloc_buffer((NBT * 4,), "float32", scope="local")
+                        red = T.alloc_buffer((2,), "float32", scope="local")
+                        part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
+                        for ps in range((n + NB - 1) // NB):
+                            for i in T.unroll(NBT * 4):
+                                acc[i] = T.float32(0)
+                            for it in range(NIT):
+                                for u in T.unroll(U):
+                                    # weight rows g and g+8 of the tile and x row g of each batch tile, 16 bytes at k0
+                                    wl[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
+                                        _LDG_W, T.address_of(wu[row_lo(tile, tx % 32 // 4) * KU + k0(it, tx, u) // 2]),
+                                        T.Cast("int32", T.And(k_ok(it, tx, u), lo_ok(tile, tx % 32 // 4) if row_pred
+                                                              else True)),
+                                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                                    wh[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
+                                        _LDG_W, T.address_of(wu[row_hi(tile, tx % 32 // 4) * KU + k0(it, tx, u) // 2]),
+                                        T.Cast("int32", T.And(k_ok(it, tx, u), hi_ok(tile, tx % 32 // 4) if row_pred
+                                                              else True)),
+                                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                                    for bt in T.unroll(NBT):
+                                        xr[T.ramp((bt * U + u) * 4, 1, 4)] = T.cuda.func_call(
+                                            _LDG_X, T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2]),
+                                            T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
+                                            source_code=_LDG_X_SRC, return_type="uint32x4")
+                                for u in T.unroll(U):
+                                    for bt in T.unroll(NBT):
+                                        for j in T.unroll(2):
+                                            T.cuda.func_call(
+                                                mma_name, T.address_of(acc[bt * 4]),
+                                                wl[u * 4 + 2 * j], wh[u * 4 + 2 * j],
+                                                wl[u * 4 + 2 * j + 1], wh[u * 4 + 2 * j + 1],
+                                                xr[(bt * U + u) * 4 + 2 * j], xr[(bt * U + u) * 4 + 2 * j + 1],
+                                                source_code=mma_src)
+                            # C fragment: acc[bt*4 + i] = (row slot g + 8*(i//2), batch col 2q + i%2)
+                            for bt in T.unroll(NBT):
+                                for i in T.unroll(4):
+                                    part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
+                            T.tvm_storage_sync("shared")
+                            for e0 in range(NEP):
+                                if e0 * NT + tx < NE:
+                                    if silu:
+                                        red[0] = T.float32(0)
+                                        red[1] = T.float32(0)
+                                        for w in range(NW):
+                                            red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
+                                            red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
+                                        if s_b(ps, e0 * NT + tx) < n and (
+                                                lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
+                                            out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
+                                                dtype, out_dtype, red[0], red[1])
+                                    else:
+                                        red[0] = T.float32(0)
+                                        for w in range(NW):
+                                            red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
+                                        if p_b(ps, e0 * NT + tx) < n and (
+                                                p_row(tile, e0 * NT + tx) < O if row_pred else True):
+                                            if has_res:
+                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
+                                                    epilogue, dtype, out_dtype, red[0],
+                                                    res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
+                                            else:
+                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
+                                                    out_dtype, red[0])
+                            T.tvm_storage_sync("shared")
+
+        return body
+
+    small = make_body(1)
+    big = make_body(big_tiles)
+
+    if has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+            wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
+            if n <= 8:
+                small(n, xu, wu, res, out)
+            else:
+                big(n, xu, wu, res, out)
+    else:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+            wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
+            if n <= 8:
+                small(n, xu, wu, None, out)
+            else:
+                big(n, xu, wu, None, out)
+
+    return gemv
+
+
+# ---------------------------------------------------------------------------------------------
+def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
+    silu = epilogue == "silu_mul"
+    has_res = epilogue == "residual"
+    OO = O // 2 if silu else O
+    TR = 4  # weight rows per block: slots 0,1 (lo) and 2,3 (hi)
+    NB = 8
+    TILES = (OO + 1) // 2 if silu else (O + TR - 1) // TR
+    NW = max(1, min(warps, (K + 31) // 32))
+    NT = 32 * NW
+    NIT = (K + NT - 1) // NT
+
+    def row_of(tile, s):
+        if silu:
+            return T.Select(s < 2, tile * 2 + s, OO + tile * 2 + s - 2)
+        return tile * TR + s
+
+    def row_ok(tile, s):
+        return tile * 2 + s % 2 < OO if silu else tile * TR + s < O
+
+    @T.macro
+    def body(n, x, w, res, out):
+        for tile in T.thread_binding(TILES, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                acc = T.alloc_buffer((TR * NB,), "float32", scope="local")
+                wv = T.alloc_buffer((TR,), "float32", scope="local")
+                xv = T.alloc_buffer((1,), "float32", scope="local")
+                part = T.alloc_buffer((NW * TR * NB,), "float32", scope="shared")
+                red = T.alloc_buffer((2,), "float32", scope="local")
+                for ps in range((n + NB - 1) // NB):
+                    for i in T.unroll(TR * NB):
+                        acc[i] = T.float32(0)
+                    for it in range(NIT):
+                        if it * NT + tx < K:
+                            for s in T.unroll(TR):
+                                if row_ok(tile, s):
+                                    wv[s] = T.Cast("float32", w[row_of(tile, s), it * NT + tx])
+                                else:
+                                    wv[s] = T.float32(0)
+                            for b in T.unroll(NB):
+                                if T.Cast("int64", ps * NB + b) < n:
+                                    xv[0] = T.Cast("float32", x[T.Cast("int64", ps * NB + b), it * NT + tx])
+                                    for s in T.unroll(TR):
+                                        acc[s * NB + b] = acc[s * NB + b] + wv[s] * xv[0]
+                    for i in T.unroll(TR * NB):
+                        for o in T.unroll(5):
+                            acc[i] = acc[i] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32, 32)
+                    if tx % 32 == 0:
+                        for i in T.unroll(TR * NB):
+                            part[tx // 32 * TR * NB + i] = acc[i]
+                    T.tvm_storage_sync("shared")
+                    if silu:
+                        if tx < 2 * NB:
+                            # (slot tx/NB, batch tx%NB) gate; slot + 2 is its up row
+                            red[0] = T.float32(0)
+                            red[1] = T.float32(0)
+                            for ww in range(NW):
+                                red[0] = red[0] + part[ww * TR * NB + tx]
+                                red[1] = red[1] + part[ww * TR * NB + 2 * NB + tx]
+                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
+                                out[T.Cast("int64", ps * NB + tx % NB), tile * 2 + tx // NB] = _silu_mul(
+                                    dtype, out_dtype, red[0], red[1])
+                    else:
+                        if tx < TR * NB:
+                            red[0] = T.float32(0)
+                            for ww in range(NW):
+                                red[0] = red[0] + part[ww * TR * NB + tx]
+                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
+                                if has_res:
+                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = _epilogue_value(
+                                        epilogue, dtype, out_dtype, red[0],
+                                        res[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB])
+                                else:
+                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = T.Cast(
+                                        out_dtype, red[0])
+                    T.tvm_storage_sync("shared")
+
+    if has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            body(n, x, w, res, out)
+    else:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            body(n, x, w, None, out)
+
+    return gemv
+
+
+# ---------------------------------------------------------------------------------------------
+# NVFP4 weights (compile/kernels/dequant.py NVFP4Linear)
+NVFP4_DQ_FUNC = "ninfer_nvfp4_dq32"
+# bf16x2 multiply, round to nearest, subnormal inputs and outputs kept (fma with -0: sm_80+)
+_BF16X2_MUL_SRC = r"""
+__device__ __forceinline__ unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
+  unsigned d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+"""
+# 32 E2M1 codes of one weight row (16 bytes, element 8m+t in nibble t of word m) and their two E4M3 block
+# scales (sc: byte 0 for words 0-1, byte 1 for words 2-3) -> 16 bf16x2 words d[4m+i] =
+# (element 8m+i, element 8m+i+4) * scale * 2^-7, exact (no rounding: <= 5 significant bits, normal range).
+# Plain C apart from ninfer_bf16x2_mul (bench/gemv_gpu_check.py runs this text on the CPU emulator).
+_NVFP4_DQ_BODY = r"""
+__device__ __forceinline__ void ninfer_nvfp4_dq32(unsigned* d, unsigned w0, unsigned w1, unsigned w2, unsigned w3,
+                                                  unsigned sc) {
+  // E4M3 byte b -> bf16 bits (b & 0x7F) << 4 = s * 2^-120 exactly (E4M3 subnormals become bf16 subnormals);
+  // * 2^120 * 2^119 -> s * 2^119 (normal, < 2^128), broadcast to both halves
+  unsigned t = ((sc << 4) & 0x7F0u) | ((sc << 12) & 0x7F00000u);
+  t = ninfer_bf16x2_mul(ninfer_bf16x2_mul(t, 0x7B807B80u), 0x7B007B00u);
+  const unsigned s0 = __byte_perm(t, 0u, 0x1010u), s1 = __byte_perm(t, 0u, 0x3232u);
+  const unsigned w[4] = {w0, w1, w2, w3};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const unsigned s = m < 2 ? s0 : s1;
+    const unsigned h = w[m] >> 8;
+    // pair i = (nibble i, nibble i+4) -> (low half, high half): the masked nibble times 2^6 + 2^12 (copies
+    // at bits 6..9 and 12..15, no overlap or carry) keeps magnitude bits 6..8 and sign bit 15, i.e. the
+    // bf16 bits of e2m1 * 2^-126 (0.5 is the subnormal 0x0040); times s * 2^119 -> e2m1 * s * 2^-7
+    d[4 * m + 0] = ninfer_bf16x2_mul(((w[m] & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, s);
+    d[4 * m + 1] = ninfer_bf16x2_mul(((w[m] & 0x00F000F0u) * 0x104u) & 0x81C081C0u, s);
+    d[4 * m + 2] = ninfer_bf16x2_mul(((h & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, s);
+    d[4 * m + 3] = ninfer_bf16x2_mul(((h & 0x00F000F0u) * 0x104u) & 0x81C081C0u, s);
+  }
+}
+"""
+_NVFP4_DQ_SRC = _BF16X2_MUL_SRC + _NVFP4_DQ_BODY
+# the tensor-core path's bf16 weights are e2m1 * e4m3 * 2^-NVFP4_SHIFT; the epilogue multiplies the fp32 sums
+# by weight_scale_2 * 2^NVFP4_SHIFT
+NVFP4_SHIFT = 7
+NVFP4_DEFAULTS = {"unroll": 2, "big_unroll": 1, "big_tiles": 4}
+
+
+def nvfp4_supported(K: int, O: int, dtype: str, out_dtype: str, epilogue: str) -> bool:
+    return K % 16 == 0 and supported(K, O, dtype, out_dtype, epilogue)
+
+
+def _nvfp4_mma_path(K: int, dtype: str) -> bool:
+    return dtype == "bfloat16" and K % 32 == 0
+
+
+def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min_warps, max_warps, target_warps,
+                    big_tiles, sms):
+    """The tensor-core path for NVFP4 weights (bf16 activations, K % 32 == 0); see gemv_nvfp4."""
+    silu = epilogue == "silu_mul"
+    has_res = epilogue == "residual"
+    OO = O // 2 if silu else O
+    TILES = (OO + 7) // 8 if silu else (O + 15) // 16
+    KW = K // 8  # uint32 code words per weight row
+    KS = K // 32  # uint16 scale pairs per weight row
+    KU = K // 2  # uint32 words per x row
+    row_pred = (OO % 8 != 0) if silu else (O % 16 != 0)
+    mma_name, mma_src = _mma_source(dtype)
+    gmul = float(2 ** NVFP4_SHIFT)
+
+    def row_lo(tile, g):
+        return tile * 8 + g if silu else tile * 16 + g
+
+    def row_hi(tile, g):
+        return OO + tile * 8 + g if silu else tile * 16 + 8 + g
+
+    def lo_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + g < O
+
+    def hi_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + 8 + g < O
+
+    def make_body(NBT: int, U: int):
+        NB = 8 * NBT
+        KC = 128 * U  # K elements per warp iteration (4 lanes x 32 codes per unroll step)
+        ITS = (K + KC - 1) // KC
+        NW = mma_warps(K, O, epilogue, unroll=4 * U, min_warps=min_warps, max_warps=max_warps,
+                       target_warps=target_warps)
+        NIT = (ITS + NW - 1) // NW
+        NT = 32 * NW
+        MB = resident_blocks(TILES, NT, sms, min_regs=128) if NBT == 1 else 1
+        k_pred = K % KC != 0 or ITS % NW != 0
+        NE = NBT * (64 if silu else 128)
+        NEP = (NE + NT - 1) // NT
+
+        def k0(it, tx, u):
+            """first K element of lane tx's 32 codes in unroll step u of its warp's iteration it"""
+            return (it * NW + tx // 32) * KC + u * 128 + tx % 4 * 32
+
+        def k_ok(it, tx, u):
+            return k0(it, tx, u) < K if k_pred else True
+
+        def w_ok(it, tx, u, ok_row):
+            return T.And(k_ok(it, tx, u), ok_row if row_pred else True)
+
+        def xrow(ps, bt, tx):
+            return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
+
+        def part_index(w, bt, lane, i):
+            return ((w * NBT + bt) * 32 + lane) * 4 + i
+
+        def p_part(w, e):
+            return part_index(w, e // 128, e % 128 // 4, e % 4)
+
+        def p_b(ps, e):
+            return T.Cast("int64", ps * NB + e // 128 * 8 + e % 128 // 4 % 4 * 2 + e % 2)
+
+        def p_row(tile, e):
+            return tile * 16 + e % 128 // 16 + e % 4 // 2 * 8
+
+        def s_part(w, e, up):
+            return part_index(w, e // 64, e % 64 // 2, e % 2 + 2 * up)
+
+        def s_b(ps, e):
+            return T.Cast("int64", ps * NB + e // 64 * 8 + e % 64 // 2 % 4 * 2 + e % 2)
+
+        def s_slot(e):
+            return e % 64 // 8
+
+        def gsc(ws2, row):
+            return ws2[row] * T.float32(gmul)
+
+        @T.macro
+        def body(n, xu, wu, wsh, ws2, res, out):
+            for tile in T.thread_binding(TILES, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
+                        cl = T.alloc_buffer((U * 4,), "uint32", scope="local")
+                        ch = T.alloc_buffer((U * 4,), "uint32", scope="local")
+                        sl = T.alloc_buffer((U,), "uint32", scope="local")
+                        sh = T.alloc_buffer((U,), "uint32", scope="local")
+                        xr = T.alloc_buffer((NBT * U * 16,), "uint32", scope="local")
+                        al = T.alloc_buffer((16,), "uint32", scope="local")
+                        ah = T.alloc_buffer((16,), "uint32", scope="local")
+                        xp = T.alloc_buffer((NBT * 16,), "uint32", scope="local")
+                        acc = T.alloc_buffer((NBT * 4,), "float32", scope="local")
+                        red = T.alloc_buffer((2,), "float32", scope="local")
+                        part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
+                        for ps in range((n + NB - 1) // NB):
+                            for i in T.unroll(NBT * 4):
+                                acc[i] = T.float32(0)
+                            for it in range(NIT):
+                                for u in T.unroll(U):
+                                    # 16 bytes (32 codes) of weight rows g and g+8 and their 2 scale bytes each;
+                                    # the 32 x elements of batch row g of every batch tile (4 x 16 bytes)
+                                    cl[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
+                                        _LDG_W, T.address_of(wu[row_lo(tile, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                                        T.Cast("int32", w_ok(it, tx, u, lo_ok(tile, tx % 32 // 4))),
+                                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                                    ch[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
+                                        _LDG_W, T.address_of(wu[row_hi(tile, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                                        T.Cast("int32", w_ok(it, tx, u, hi_ok(tile, tx % 32 // 4))),
+                                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                                    sl[u] = T.if_then_else(
+                                        w_ok(it, tx, u, lo_ok(tile, tx % 32 // 4)),
+                                        T.Cast("uint32", wsh[row_lo(tile, tx % 32 // 4) * KS + k0(it, tx, u) // 32]),
+                                        T.uint32(0))
+                                    sh[u] = T.if_then_else(
+                                        w_ok(it, tx, u, hi_ok(tile, tx % 32 // 4)),
+                                        T.Cast("uint32", wsh[row_hi(tile, tx % 32 // 4) * KS + k0(it, tx, u) // 32]),
+                                        T.uint32(0))
+                                    for bt in T.unroll(NBT):
+                                        for v in T.unroll(4):
+                                            xr[T.ramp(((bt * U + u) * 4 + v) * 4, 1, 4)] = T.cuda.func_call(
+                                                _LDG_X,
+                                                T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2 + v * 4]),
+                                                T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
+                                                source_code=_LDG_X_SRC, return_type="uint32x4")
+                                for u in T.unroll(U):
+                                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(al[0]), cl[u * 4], cl[u * 4 + 1],
+                                                     cl[u * 4 + 2], cl[u * 4 + 3], sl[u], source_code=_NVFP4_DQ_SRC)
+                                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(ah[0]), ch[u * 4], ch[u * 4 + 1],
+                                                     ch[u * 4 + 2], ch[u * 4 + 3], sh[u], source_code=_NVFP4_DQ_SRC)
+                                    # x pairs in the weights' K order: pair 4m+i = (x[8m+i], x[8m+i+4])
+                                    for bt in T.unroll(NBT):
+                                        for m in T.unroll(4):
+                                            for ih in T.unroll(2):
+                                                xp[bt * 16 + m * 4 + ih * 2] = T.call_pure_extern(
+                                                    "uint32", "__byte_perm", xr[(bt * U + u) * 16 + m * 4 + ih],
+                                                    xr[(bt * U + u) * 16 + m * 4 + 2 + ih], T.uint32(0x5410))
+                                                xp[bt * 16 + m * 4 + ih * 2 + 1] = T.call_pure_extern(
+                                                    "uint32", "__byte_perm", xr[(bt * U + u) * 16 + m * 4 + ih],
+                                                    xr[(bt * U + u) * 16 + m * 4 + 2 + ih], T.uint32(0x7632))
+                                    for bt in T.unroll(NBT):
+                                        for j in T.unroll(8):
+                                            T.cuda.func_call(
+                                                mma_name, T.address_of(acc[bt * 4]),
+                                                al[2 * j], ah[2 * j], al[2 * j + 1], ah[2 * j + 1],
+                                                xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
+                            for bt in T.unroll(NBT):
+                                for i in T.unroll(4):
+                                    part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
+                            T.tvm_storage_sync("shared")
+                            for e0 in range(NEP):
+                                if e0 * NT + tx < NE:
+                                    if silu:
+                                        red[0] = T.float32(0)
+                                        red[1] = T.float32(0)
+                                        for w in range(NW):
+                                            red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
+                                            red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
+                                        if s_b(ps, e0 * NT + tx) < n and (
+                                                lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
+                                            out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
+                                                dtype, out_dtype,
+                                                red[0] * gsc(ws2, row_lo(tile, s_slot(e0 * NT + tx))),
+                                                red[1] * gsc(ws2, row_hi(tile, s_slot(e0 * NT + tx))))
+                                    else:
+                                        red[0] = T.float32(0)
+                                        for w in range(NW):
+                                            red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
+                                        if p_b(ps, e0 * NT + tx) < n and (
+                                                p_row(tile, e0 * NT + tx) < O if row_pred else True):
+                                            if has_res:
+                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
+                                                    epilogue, dtype, out_dtype,
+                                                    red[0] * gsc(ws2, p_row(tile, e0 * NT + tx)),
+                                                    res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
+                                            else:
+                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
+                                                    out_dtype, red[0] * gsc(ws2, p_row(tile, e0 * NT + tx)))
+                            T.tvm_storage_sync("shared")
+
+        return body
+
+    small = make_body(1, unroll)
+    big = make_body(big_tiles, big_unroll)
+
+    if has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
+                 var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+            wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
+            wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
+            if n <= 8:
+                small(n, xu, wu, wsh, ws2, res, out)
+            else:
+                big(n, xu, wu, wsh, ws2, res, out)
+    else:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+            wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
+            wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
+            if n <= 8:
+                small(n, xu, wu, wsh, ws2, None, out)
+            else:
+                big(n, xu, wu, wsh, ws2, None, out)
+
+    return gemv
+
+
+def _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
+    """FMA path for NVFP4 weights (any activation dtype, K % 16 == 0): the _fma_func layout, each weight
+    element dequantized exactly as compile/kernels/dequant.py does (fp32 e2m1 * e4m3 * g, cast to dtype)."""
+    from ..dequant import _e2m1, _e4m3
+
+    silu = epilogue == "silu_mul"
+    has_res = epilogue == "residual"
+    OO = O // 2 if silu else O
+    TR = 4
+    NB = 8
+    TILES = (OO + 1) // 2 if silu else (O + TR - 1) // TR
+    NW = max(1, min(warps, (K + 31) // 32))
+    NT = 32 * NW
+    NIT = (K + NT - 1) // NT
+
+    def row_of(tile, s):
+        if silu:
+            return T.Select(s < 2, tile * 2 + s, OO + tile * 2 + s - 2)
+        return tile * TR + s
+
+    def row_ok(tile, s):
+        return tile * 2 + s % 2 < OO if silu else tile * TR + s < O
+
+    def wval(w, ws, ws2, row, k):
+        code = (T.Cast("uint32", w[row, k // 2]) >> T.Cast("uint32", k % 2 * 4)) & T.uint32(15)
+        return T.Cast("float32", T.Cast(dtype, _e2m1(code) * _e4m3(ws[row, k // 16]) * ws2[row]))
+
+    @T.macro
+    def body(n, x, w, ws, ws2, res, out):
+        for tile in T.thread_binding(TILES, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                acc = T.alloc_buffer((TR * NB,), "float32", scope="local")
+                wv = T.alloc_buffer((TR,), "float32", scope="local")
+                xv = T.alloc_buffer((1,), "float32", scope="local")
+                part = T.alloc_buffer((NW * TR * NB,), "float32", scope="shared")
+                red = T.alloc_buffer((2,), "float32", scope="local")
+                for ps in range((n + NB - 1) // NB):
+                    for i in T.unroll(TR * NB):
+                        acc[i] = T.float32(0)
+                    for it in range(NIT):
+                        if it * NT + tx < K:
+                            for s in T.unroll(TR):
+                                if row_ok(tile, s):
+                                    wv[s] = wval(w, ws, ws2, row_of(tile, s), it * NT + tx)
+                                else:
+                                    wv[s] = T.float32(0)
+                            for b in T.unroll(NB):
+                                if T.Cast("int64", ps * NB + b) < n:
+                                    xv[0] = T.Cast("float32", x[T.Cast("int64", ps * NB + b), it * NT + tx])
+                                    for s in T.unroll(TR):
+                                        acc[s * NB + b] = acc[s * NB + b] + wv[s] * xv[0]
+                    for i in T.unroll(TR * NB):
+                        for o in T.unroll(5):
+                            acc[i] = acc[i] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32, 32)
+                    if tx % 32 == 0:
+                        for i in T.unroll(TR * NB):
+                            part[tx // 32 * TR * NB + i] = acc[i]
+                    T.tvm_storage_sync("shared")
+                    if silu:
+                        if tx < 2 * NB:
+                            red[0] = T.float32(0)
+                            red[1] = T.float32(0)
+                            for ww in range(NW):
+                                red[0] = red[0] + part[ww * TR * NB + tx]
+                                red[1] = red[1] + part[ww * TR * NB + 2 * NB + tx]
+                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
+                                out[T.Cast("int64", ps * NB + tx % NB), tile * 2 + tx // NB] = _silu_mul(
+                                    dtype, out_dtype, red[0], red[1])
+                    else:
+                        if tx < TR * NB:
+                            red[0] = T.float32(0)
+                            for ww in range(NW):
+                                red[0] = red[0] + part[ww * TR * NB + tx]
+                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
+                                if has_res:
+                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = _epilogue_value(
+                                        epilogue, dtype, out_dtype, red[0],
+                                        res[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB])
+                                else:
+                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = T.Cast(
+                                        out_dtype, red[0])
+                    T.tvm_storage_sync("shared")
+
+    if has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
+                 var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            body(n, x, w, ws, ws2, res, out)
+    else:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            body(n, x, w, ws, ws2, None, out)
+
+    return gemv
+
+
+@lru_cache(maxsize=None)
+def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None,
+               epilogue: str = "none", *, unroll: int = 2, big_unroll: int = 1, min_warps: int = 1,
+               max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132):
+    """y = x[n, in] @ dequant(W)^T + epilogue for NVFP4 weights, or None where it does not apply.
+
+    prim_func(x[n, in] dtype, w[out, in/2] u8, w_scale[out, in/16] u8, w_scale_2[out] f32, [res], out), the
+    buffers of NVFP4Linear. Tensor-core path (bf16, in % 32 == 0): the bf16 kernel's tiling with 16-byte
+    loads of 32 codes per lane and rows; unroll / big_unroll count 128-element K steps per warp iteration
+    (n <= 8 / n > 8). Otherwise the FMA path (dequant exactly as dequant.py)."""
+    K, O = int(in_features), int(out_features)
+    out_dtype = out_dtype or dtype
+    if not nvfp4_supported(K, O, dtype, out_dtype, epilogue):
+        return None
+    if _nvfp4_mma_path(K, dtype):
+        f = _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, big_unroll=big_unroll,
+                            min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, big_tiles=big_tiles,
+                            sms=sms)
+    else:
+        f = _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
+    return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
+
+
+@lru_cache(maxsize=None)
+def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None, epilogue: str = "none", *,
+         unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
+         fma_warps: int = 4, sms: int = 132, weight_format: str | None = None):
+    """The prim_func for y = x[n, in] @ w[out, in]^T + epilogue, or None where it does not apply
+    (the caller keeps its matmul). Output [n, out] (silu_mul: [n, out/2]) in out_dtype (default dtype).
+    weight_format "nvfp4": gemv_nvfp4 (NVFP4Linear's buffers) with NVFP4_DEFAULTS for its own unroll /
+    big_tiles and the other parameters as given."""
+    K, O = int(in_features), int(out_features)
+    out_dtype = out_dtype or dtype
+    if weight_format == "nvfp4":
+        return gemv_nvfp4(K, O, dtype, out_dtype, epilogue, min_warps=min_warps, max_warps=max_warps,
+                          target_warps=target_warps, fma_warps=fma_warps, sms=sms, **NVFP4_DEFAULTS)
+    if weight_format is not None:
+        return None
+    if not supported(K, O, dtype, out_dtype, epilogue):
+        return None
+    if dtype in _MMA_TYPES and K % 8 == 0:
+        f = _mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
+                      target_warps=target_warps, big_tiles=big_tiles, sms=sms)
+    else:
+        f = _fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
+    return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue))
+
+
+_SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
+
+def symbol(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, weight_format: str | None = None) -> str:
+    """Kernel name: gemv[_nvfp4][_residual|_silu_mul]_<K>x<O>_<dtype>[_<out dtype>] (unique per variant)."""
+    ep = "" if epilogue == "none" else f"_{epilogue}"
+    od = "" if out_dtype == dtype else f"_{_SHORT[out_dtype]}"
+    wf = f"_{weight_format}" if weight_format else ""
+    return f"gemv{wf}{ep}_{K}x{O}_{_SHORT[dtype]}{od}"
+
+
+def launch_config(in_features: int, out_features: int, dtype: str, epilogue: str = "none", *, unroll: int = 4,
+                  min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
+                  fma_warps: int = 4, sms: int = 132) -> str:
+    """Human-readable launch configuration of gemv() for a shape (reports, bench tables)."""
+    K, O = int(in_features), int(out_features)
+    if dtype in _MMA_TYPES and K % 8 == 0:
+        tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+        nw = mma_warps(K, O, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
+                       target_warps=target_warps)
+        mb = resident_blocks(tiles, 32 * nw, sms)
+        return (f"mma grid {tiles} x {32 * nw} threads (min {mb} blocks/SM), {32 * unroll} k per warp-iteration, "
+                f"n>8: {8 * big_tiles} rows/pass")
+    oo = O // 2 if epilogue == "silu_mul" else O
+    tiles = (oo + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
+    return f"fma grid {tiles} x {32 * max(1, min(fma_warps, (K + 31) // 32))} threads"
+
+
+def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogue: str = "none", *, unroll: int = 2,
+                        big_unroll: int = 1, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048,
+                        big_tiles: int = 4, fma_warps: int = 4, sms: int = 132) -> str:
+    """Human-readable launch configuration of gemv_nvfp4() for a shape."""
+    K, O = int(in_features), int(out_features)
+    if not _nvfp4_mma_path(K, dtype):
+        return "nvfp4 " + launch_config(K, O, "float32", epilogue, fma_warps=fma_warps)
+    tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+    nw = mma_warps(K, O, epilogue, unroll=4 * unroll, min_warps=min_warps, max_warps=max_warps,
+                   target_warps=target_warps)
+    nwb = mma_warps(K, O, epilogue, unroll=4 * big_unroll, min_warps=min_warps, max_warps=max_warps,
+                    target_warps=target_warps)
+    mb = resident_blocks(tiles, 32 * nw, sms, min_regs=128)
+    return (f"nvfp4 mma grid {tiles} x {32 * nw} threads (min {mb} blocks/SM), {128 * unroll} k per warp-iteration, "
+            f"n>8: {8 * big_tiles} rows/pass x {32 * nwb} threads, {128 * big_unroll} k")
+
+
+__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "launch_config", "launch_config_nvfp4", "mma_warps",
+           "nvfp4_supported", "resident_blocks", "supported", "symbol"]
