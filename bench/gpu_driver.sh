@@ -1,0 +1,42 @@
+#!/bin/bash
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec sass hf
+set -u
+REPO=$PWD
+export PYTHONUNBUFFERED=1
+SITE=$(python3 -c 'import site;print(site.getsitepackages()[0])')
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/tvmrt/whl/*.whl >/dev/null 2>&1 || { echo "whl install failed"; exit 1; }
+mkdir -p /tmp/site && tar -xJf .gpu/tvmrt/site.tar.xz -C /tmp/site
+mkdir -p /tmp/pkg/ninfer_mlc && cp -r ${SNAP:-.}/ninfer_mlc/* /tmp/pkg/ninfer_mlc/ && ln -sfn $REPO/${SNAP:-.}/runtime /tmp/pkg/ninfer_mlc/runtime && ln -sfn $REPO/${SNAP:-.}/compile /tmp/pkg/ninfer_mlc/compile
+CUDART=$(ls /usr/local/cuda/lib64/libcudart.so.13* /usr/local/cuda*/targets/x86_64-linux/lib/libcudart.so.13* $SITE/nvidia/cu13/lib/libcudart.so.13* $SITE/nvidia/cuda_runtime/lib/libcudart.so.13* 2>/dev/null | head -1)
+export LD_LIBRARY_PATH=$(dirname "$CUDART"):${LD_LIBRARY_PATH:-}
+export PYTHONPATH=/tmp/pkg:/tmp/site TVM_USE_RUNTIME_LIB=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv,noheader | tee $OUT/nvsmi.txt
+T0=$(date +%s)
+run() { # name timeout cmd...
+  local name=$1 to=$2; shift 2
+  local t=$(date +%s)
+  timeout $to "$@" > $OUT/$name.log 2>&1; local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t ))s" | tee -a $OUT/summary.txt
+}
+for step in "$@"; do
+  case $step in
+    gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
+    attn) [ -d .gpu/attn ] && run attn 150 python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ;;
+    gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
+    gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
+    check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
+    bench) run bench 420 python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
+    spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;
+    hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
+    sass)
+      { for f in .gpu/sass/*.fatbin; do
+          [ -f "$f" ] || continue
+          echo "== $f"; cuobjdump -sass "$f" > /tmp/sass.txt 2>&1
+          echo "-- tensor-core / FP4 ops:"; grep -oE '\b(OMMA|QMMA|HMMA|HGMMA|UTC[A-Z0-9]*|IMMA)[A-Z0-9_.]*' /tmp/sass.txt | sort | uniq -c
+          echo "-- functions with OMMA/QMMA:"; awk '/Function :/{fn=$3} /OMMA|QMMA/{print fn}' /tmp/sass.txt | sort | uniq -c | head
+        done; } > $OUT/sass.txt 2>&1
+      echo "== sass $(wc -l < $OUT/sass.txt) lines" | tee -a $OUT/summary.txt ;;
+  esac
+done
+echo; echo "######## tails"; for f in $OUT/*.log; do echo "---- $f"; grep -v Warning $f | tail -${TAIL:-14}; done
+echo "######## summary ($(( $(date +%s) - T0 ))s)"; cat $OUT/summary.txt
