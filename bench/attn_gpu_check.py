@@ -34,7 +34,6 @@ bench/gpu_bench.py (bench/README.md; `carry: [".gpu"]`):
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -46,6 +45,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+import gpu_common as gc
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = 64
@@ -321,12 +322,7 @@ def _torch_view(a: np.ndarray) -> np.ndarray:
     return a.view(np.int16) if a.dtype == _np_dt("bfloat16") else a
 
 
-def rel_err(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+rel_err = gc.rel_err
 
 
 def tolerance(m: dict) -> float:
@@ -372,26 +368,17 @@ def kernel_funcs(baseline: bool = True, variants: bool = True, tags=None) -> dic
 
 def _baseline_module(rev: str = "HEAD"):
     """compile/kernels/cuda/attention.py at git `rev`, imported next to the current one."""
-    import importlib.util
-
     rel = "compile/kernels/cuda/attention.py"
     try:
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, text=True,
-                             check=True).stdout
+        src = gc.git_show(rev, rel)
     except (OSError, subprocess.CalledProcessError) as e:
         print(f"baseline: cannot read {rev}:{rel} ({e}); no old_* functions", flush=True)
         return None
     if src == (ROOT / rel).read_text():
         print("baseline: HEAD has the same attention.py; no old_* functions", flush=True)
         return None
-    d = Path(tempfile.mkdtemp(prefix="attn_base_"))
-    f = d / "attention_base.py"
-    f.write_text(src)
-    spec = importlib.util.spec_from_file_location("ninfer_mlc.compile.kernels.cuda._attention_base", f)
-    mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "ninfer_mlc.compile.kernels.cuda"
-    spec.loader.exec_module(mod)
-    return mod
+    return gc.module_from_source(src, "ninfer_mlc.compile.kernels.cuda._attention_base",
+                                 package="ninfer_mlc.compile.kernels.cuda")
 
 
 def cmd_prep(a) -> int:
@@ -495,22 +482,7 @@ def _cupti(torch, fn, args, name: str, calls: int = 10) -> dict:
 
 
 def _copy_bw(torch) -> float:
-    x = torch.empty(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        e0.record()
-        y.copy_(x)
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1) / 1e3)
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * (1 << 29) * 4 / float(np.median(ts))
+    return gc.copy_bw(torch)
 
 
 class _Gpu:
@@ -656,10 +628,10 @@ def cmd_run(a) -> int:
             ok = False
             print(f"{name:24s} ERROR {e!r}"[:600], flush=True)
         res["cases"][name] = row
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        gc.write_result(a.result, res)
     res["ok"] = bool(ok)
     res["wall_s"] = time.time() - t_start
-    Path(a.result).write_text(json.dumps(res, indent=1))
+    gc.write_result(a.result, res)
     _print_table(res)
     print("OK" if ok else "FAILED", flush=True)
     return 0 if ok else 1
@@ -1191,16 +1163,9 @@ def cmd_emulate(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prep")
-    p.add_argument("out")
-    p.add_argument("--arch", default="sm_90")
+    ap, sub, p, r = gc.prep_run_parser(__doc__)
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--no-variants", action="store_true")
-    r = sub.add_parser("run")
-    r.add_argument("out")
-    r.add_argument("result")
     r.add_argument("--reps", type=int, default=30)
     r.add_argument("--budget-s", type=float, default=90, help="no more variant timings after this many seconds")
     r.add_argument("--only", default="")

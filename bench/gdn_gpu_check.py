@@ -25,7 +25,6 @@ chunk); "mixed" decays are log-uniform in [-0.5, -0.001] so the inter-chunk stat
 """
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 import gpu_bench as gb  # noqa: E402
+import gpu_common as gc  # noqa: E402
 
 GEO = {"tiny": (2, 6, 16, 8), "q27": (16, 48, 128, 128)}
 LAYERS, LAYER = 2, 1
@@ -75,13 +75,9 @@ def _small_inputs(case, geo=None):
     lens = case["lens"]
     rng = np.random.default_rng(case["seed"])
     n = sum(lens)
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    cu = gc.cu_seqlens(lens)
     slots = rng.permutation(len(lens) + 1)[:len(lens)].astype(np.int32)
-
-    def l2(a):
-        return a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
-    q = (l2(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.float32)
-    k = l2(rng.standard_normal((n, hk, dk))).astype(np.float32)
+    q, k = gc.l2_qk(rng, n, hk, dk)
     v = rng.standard_normal((n, hv, dv)).astype(np.float32)
     if case["decay"] == "strong":
         g = -rng.uniform(0.01, 0.5, (n, hv))
@@ -98,17 +94,7 @@ def _ssm_shape(case):
 
 def _load_baseline(rev: str):
     """compile/kernels/cuda/gdn.py at git revision rev, as a module (TVMScript needs a real file)."""
-    import importlib.util
-    import tempfile
-
-    src = subprocess.run(["git", "show", f"{rev}:compile/kernels/cuda/gdn.py"], cwd=ROOT, check=True,
-                         capture_output=True, text=True).stdout
-    d = Path(tempfile.mkdtemp(prefix="gdn_old_"))
-    (d / "gdn_old.py").write_text(src)
-    spec = importlib.util.spec_from_file_location("gdn_old", d / "gdn_old.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return gc.module_at_rev(rev, "compile/kernels/cuda/gdn.py", "gdn_old")
 
 
 def cmd_prep(a) -> int:
@@ -281,9 +267,7 @@ def cmd_run(a) -> int:
         except Exception as ex:  # noqa: BLE001
             row.update(error=repr(ex)[:400], **{"pass": False})
         ok &= row["pass"]
-        res["cases"].append(row)
-        print(json.dumps(row), flush=True)
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        gc.record_row(res, row, a.result)
 
     for c in meta["big"]:
         nm = c["name"]
@@ -294,15 +278,13 @@ def cmd_run(a) -> int:
         try:
             gen = torch.Generator(device=DEVICE).manual_seed(c["seed"])
 
-            def l2(t):
-                return t / torch.sqrt((t * t).sum(-1, keepdim=True) + 1e-6)
             x = {
-                "q": l2(torch.randn((n, hk, dk), device=cudev, generator=gen)) * dk ** -0.5,
-                "k": l2(torch.randn((n, hk, dk), device=cudev, generator=gen)),
+                "q": gc.l2norm(torch.randn((n, hk, dk), device=cudev, generator=gen)) * dk ** -0.5,
+                "k": gc.l2norm(torch.randn((n, hk, dk), device=cudev, generator=gen)),
                 "v": torch.randn((n, hv, dv), device=cudev, generator=gen),
                 "g": -torch.exp(torch.empty((n, hv), device=cudev).uniform_(np.log(1e-3), np.log(0.5), generator=gen)),
                 "beta": torch.empty((n, hv), device=cudev).uniform_(0.1, 0.9, generator=gen),
-                "cu": torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device=cudev),
+                "cu": torch.tensor(gc.cu_seqlens(lens), dtype=torch.int32, device=cudev),
                 "slot": torch.arange(b, 0, -1, dtype=torch.int32, device=cudev),  # slots b..1, slot 0 untouched
             }
             ssm0 = torch.randn((b + 1, LAYERS, hv, dk, dv), device=cudev, generator=gen) * 0.3
@@ -333,12 +315,10 @@ def cmd_run(a) -> int:
         except Exception as ex:  # noqa: BLE001
             row.update(error=repr(ex)[:400], **{"pass": False})
         ok &= row["pass"]
-        res["cases"].append(row)
-        print(json.dumps(row), flush=True)
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        gc.record_row(res, row, a.result)
 
     res["pass"] = ok
-    Path(a.result).write_text(json.dumps(res, indent=1))
+    gc.write_result(a.result, res)
     print(f"\n{res['device']}   tolerances: vs llvm {tol_llvm:g}, vs float64 torch {tol_ref:g}")
     print(f"{'case':14s} {'tokens':>6s} {'rows':>4s} {'o/llvm':>8s} {'S/llvm':>8s} {'o/torch':>8s} {'S/torch':>8s} "
           f"{'ms':>8s} {'ms old':>8s} {'speedup':>7s} {'x48 ms':>8s} pass")
@@ -558,15 +538,8 @@ def cmd_emulate(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prep")
-    p.add_argument("out")
-    p.add_argument("--arch", default="sm_90")
+    ap, sub, p, r = gc.prep_run_parser(__doc__)
     p.add_argument("--baseline", default=BASELINE_REV, help="git revision of the old kernel, or none")
-    r = sub.add_parser("run")
-    r.add_argument("out")
-    r.add_argument("result")
     e = sub.add_parser("emulate")
     e.add_argument("--full", action="store_true")
     a = ap.parse_args(argv)

@@ -10,11 +10,12 @@ The chosen config goes into schedules/cuda_<arch>.json ("tensor_core").
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from pathlib import Path
+
+import gpu_common as gc
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"qkv": (14336, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
@@ -124,7 +125,7 @@ def cmd_run(a) -> int:
                 except Exception as ex:  # noqa: BLE001
                     row = {"shape": sname, "m": m, "variant": mt["variant"], "error": repr(ex)[:300]}
                 res["rows"].append(row)
-            Path(a.result).write_text(json.dumps(res, indent=1))
+            gc.write_result(a.result, res)
             del x, ref
     print(f"{'shape':8s} {'rows':>5s} {'variant':14s} {'TFLOP/s':>8s} {'rel_err':>9s}")
     for r in res["rows"]:
@@ -134,14 +135,7 @@ def cmd_run(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prep")
-    p.add_argument("out")
-    p.add_argument("--arch", default="sm_90")
-    r = sub.add_parser("run")
-    r.add_argument("out")
-    r.add_argument("result")
+    ap, sub, p, r = gc.prep_run_parser(__doc__)
     a = ap.parse_args(argv)
     return {"prep": cmd_prep, "run": cmd_run}[a.cmd](a)
 

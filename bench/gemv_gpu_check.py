@@ -33,7 +33,6 @@ Commands:
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import re
@@ -47,6 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+import gpu_common as gc  # noqa: E402
 
 # (name, K, O, epilogue, dtype, out dtype) of the Qwen3.x-27B decode projections (bf16)
 CASES_27B = [
@@ -188,11 +188,7 @@ def reference(x32, w32, res32, epilogue: str, dtype: str, out_dtype: str, rnd):
     return rnd(y, out_dtype)
 
 
-def rel_err(got, ref) -> float:
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    if not np.isfinite(got).all():
-        return float("inf")
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+rel_err = gc.rel_err
 
 
 # ---- GPU run -----------------------------------------------------------------------------------
@@ -209,9 +205,7 @@ def cmd_run(a) -> int:
     res = {"device": torch.cuda.get_device_name(0), "arch": meta["arch"],
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "rows": []}
     try:
-        from gpu_bench import _measure_floors
-
-        bw, mm_rate = _measure_floors(torch)
+        bw, mm_rate = gc.measure_floors(torch)
         res["copy_bandwidth_GBs"] = bw / 1e9
         res["bf16_matmul_tflops"] = mm_rate / 1e12
     except Exception as e:  # noqa: BLE001 - floors are context only
@@ -317,9 +311,9 @@ def cmd_run(a) -> int:
             del x, r, y
         del ws, wts
         torch.cuda.empty_cache()
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        gc.write_result(a.result, res)
     res["ok"] = bool(ok_all)
-    Path(a.result).write_text(json.dumps(res, indent=1))
+    gc.write_result(a.result, res)
     _print_table(res)
     return 0 if ok_all else 1
 
@@ -773,14 +767,7 @@ def cmd_build27b(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prep")
-    p.add_argument("out")
-    p.add_argument("--arch", default="sm_90")
-    r = sub.add_parser("run")
-    r.add_argument("out")
-    r.add_argument("result")
+    ap, sub, p, r = gc.prep_run_parser(__doc__)
     r.add_argument("--weight", choices=("all", "bf16", "nvfp4"), default="all",
                    help="nvfp4: the NVFP4 cases and the bf16 default-variant cases of the same shapes")
     r.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")

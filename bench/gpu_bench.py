@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+import gpu_common as gc
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------------------------
@@ -74,12 +76,7 @@ def _unpack(z) -> dict:
     return out
 
 
-def rel_err(got, ref) -> float:
-    got = np.asarray(got, np.float64)
-    ref = np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(got)):
-        return float("inf")
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+rel_err = gc.rel_err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -151,7 +148,7 @@ def _case_inputs(case, rng):
         dt = _np_dt(case["dtype"])
         lens = case["lens"]
         n = sum(lens)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cu = gc.cu_seqlens(lens)
         slots = rng.permutation(len(lens) + 2)[:len(lens)].astype(np.int32)
         x = rng.standard_normal((n, c)).astype(dt)
         pool = rng.standard_normal((len(lens) + 2, 2, c, 3)).astype(dt)
@@ -162,13 +159,9 @@ def _case_inputs(case, rng):
         hk, hv, dk, dv = case["geo"]
         lens = case["lens"]
         n = sum(lens)
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        cu = gc.cu_seqlens(lens)
         slots = rng.permutation(len(lens) + 1)[:len(lens)].astype(np.int32)
-
-        def l2(a):
-            return a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
-        q = (l2(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.float32)
-        kk = l2(rng.standard_normal((n, hk, dk))).astype(np.float32)
+        q, kk = gc.l2_qk(rng, n, hk, dk)
         v = rng.standard_normal((n, hv, dv)).astype(np.float32)
         g = -rng.uniform(0.01, 0.5, (n, hv)).astype(np.float32)
         beta = rng.uniform(0.1, 0.9, (n, hv)).astype(np.float32)
@@ -178,11 +171,7 @@ def _case_inputs(case, rng):
     hk, hv, dk, dv = case["geo"]
     b = case["b"]
     slots = rng.permutation(b + 1)[:b].astype(np.int32)
-
-    def l2(a):
-        return a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
-    q = (l2(rng.standard_normal((b, hk, dk))) * dk ** -0.5).astype(np.float32)
-    kk = l2(rng.standard_normal((b, hk, dk))).astype(np.float32)
+    q, kk = gc.l2_qk(rng, b, hk, dk)
     v = rng.standard_normal((b, hv, dv)).astype(np.float32)
     g = -rng.uniform(0.01, 0.5, (b, hv)).astype(np.float32)
     beta = rng.uniform(0.1, 0.9, (b, hv)).astype(np.float32)
@@ -433,44 +422,14 @@ def cmd_check(a):
         print(f"tiny {quant}: {'PASS' if passed else 'FAIL'} " + ", ".join(f"{k}={v:.2e}" for k, v in e.items()),
               flush=True)
     res["pass"] = ok
-    Path(a.result).write_text(json.dumps(res, indent=1))
+    gc.write_result(a.result, res)
     return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------------------------
 def _measure_floors(torch):
     """Device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate, random data."""
-    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(10):
-        s.record()
-        y.copy_(x)
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    bw = 2 * x.numel() * 2 / float(np.median(ts))
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(10):
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / 1e3)
-    rate = 2 * 8192 ** 3 / float(np.median(ts))
-    del a, b
-    torch.cuda.empty_cache()
-    return bw, rate
+    return gc.measure_floors(torch)
 
 
 def _gen_params(torch, specs, cfg):
@@ -667,7 +626,7 @@ def cmd_bench(a):
         if graphs is not None:
             res["cuda_graph_stats"] = dict(graphs.stats, last_error=graphs.last_error,
                                            nodes={str(k): v for k, v in graphs.graph_nodes().items()})
-        Path(a.result).write_text(json.dumps(res, indent=1))
+        gc.write_result(a.result, res)
 
     res["decode"] = []
     for b in batches:

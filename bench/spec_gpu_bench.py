@@ -37,7 +37,6 @@ CPU dry run of the code paths (the llvm tiny model stands in for the 27B library
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -51,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_bench  # noqa: E402
+import gpu_common as gc  # noqa: E402
 import spec_bench  # noqa: E402  (puts ROOT on sys.path)
 
 PAGE = gpu_bench.PAGE
@@ -693,17 +693,10 @@ def cmd_run(a) -> int:
 
 # ----------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("prep")
-    p.add_argument("out")
-    p.add_argument("--arch", default="sm_90")
+    ap, sub, p, r = gc.prep_run_parser(__doc__)
     p.add_argument("--tiny-quant", default="f32", choices=["f32", "bf16"])
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-27b", action="store_true")
-    r = sub.add_parser("run")
-    r.add_argument("out")
-    r.add_argument("result")
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     r.add_argument("--tiny-dir", default=None, help="tiny model artifact (default OUT/tiny-cuda)")
     r.add_argument("--geo-dir", default=None,

@@ -143,6 +143,148 @@ def _silu_mul(dtype, out_dtype, gate, up):
     return T.Cast(out_dtype, g / (T.float32(1) + T.exp(-g)) * u)
 
 
+def _entry(K, O, OO, dtype, out_dtype, has_res, nvfp4, run):
+    """The kernel's prim_func: x[n, K] dtype, the weight (dtype [O, K], or NVFP4: codes u8 [O, K/2], block
+    scales u8 [O, K/16], row scales f32 [O]), [res[n, OO]], out[n, OO] out_dtype; its body is the macro
+    run(n, x, w, ws, ws2, res, out) (ws, ws2 / res None where absent)."""
+    if nvfp4 and has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
+                 var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, ws, ws2, res, out)
+    elif nvfp4:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K // 2), "uint8")
+            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
+            ws2 = T.match_buffer(var_ws2, (O,), "float32")
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, ws, ws2, None, out)
+    elif has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, None, None, res, out)
+    else:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            w = T.match_buffer(var_w, (O, K), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, None, None, None, out)
+    return gemv
+
+
+def _mma_rows(O, epilogue):
+    """Weight rows of a tensor-core tile's A fragment rows g and g+8 (silu_mul: gate row and its up row),
+    and whether they exist: (row_lo, row_hi, lo_ok, hi_ok) of (tile, g)."""
+    silu = epilogue == "silu_mul"
+    OO = O // 2 if silu else O
+
+    def row_lo(tile, g):
+        return tile * 8 + g if silu else tile * 16 + g
+
+    def row_hi(tile, g):
+        return OO + tile * 8 + g if silu else tile * 16 + 8 + g
+
+    def lo_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + g < O
+
+    def hi_ok(tile, g):
+        return tile * 8 + g < OO if silu else tile * 16 + 8 + g < O
+
+    return row_lo, row_hi, lo_ok, hi_ok
+
+
+def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale):
+    """The tensor-core kernels' end of a batch pass: the warps' C fragments to shared memory, summed over
+    warps, scale(ws2, row, sum), the epilogue and the store. -> macro (n, ps, tile, tx, acc, part, red, ws2,
+    res, out); part is NW * NBT * 128 fp32 shared."""
+    silu = epilogue == "silu_mul"
+    has_res = epilogue == "residual"
+    NB = 8 * NBT
+    NE = NBT * (64 if silu else 128)  # epilogue entries per pass
+    NEP = (NE + NT - 1) // NT
+    row_lo, row_hi, lo_ok, _ = _mma_rows(O, epilogue)
+
+    def part_index(w, bt, lane, i):
+        return ((w * NBT + bt) * 32 + lane) * 4 + i
+
+    # plain / residual entry e (< NBT*128): (bt, lane l, i) -> row slot l/4 + 8*(i//2), col 2(l%4) + i%2
+    def p_part(w, e):
+        return part_index(w, e // 128, e % 128 // 4, e % 4)
+
+    def p_b(ps, e):
+        return T.Cast("int64", ps * NB + e // 128 * 8 + e % 128 // 4 % 4 * 2 + e % 2)
+
+    def p_row(tile, e):
+        return tile * 16 + e % 128 // 16 + e % 4 // 2 * 8
+
+    # silu entry e (< NBT*64): (bt, lane l, j): gate = (slot l/4, col 2(l%4)+j), up = slot + 8
+    def s_part(w, e, up):
+        return part_index(w, e // 64, e % 64 // 2, e % 2 + 2 * up)
+
+    def s_b(ps, e):
+        return T.Cast("int64", ps * NB + e // 64 * 8 + e % 64 // 2 % 4 * 2 + e % 2)
+
+    def s_slot(e):
+        return e % 64 // 8
+
+    @T.macro
+    def epilogue_pass(n, ps, tile, tx, acc, part, red, ws2, res, out):
+        # C fragment: acc[bt*4 + i] = (row slot g + 8*(i//2), batch col 2q + i%2)
+        for bt in T.unroll(NBT):
+            for i in T.unroll(4):
+                part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
+        T.tvm_storage_sync("shared")
+        for e0 in range(NEP):
+            if e0 * NT + tx < NE:
+                if silu:
+                    red[0] = T.float32(0)
+                    red[1] = T.float32(0)
+                    for w in range(NW):
+                        red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
+                        red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
+                    if s_b(ps, e0 * NT + tx) < n and (lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
+                        out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
+                            dtype, out_dtype,
+                            scale(ws2, row_lo(tile, s_slot(e0 * NT + tx)), red[0]),
+                            scale(ws2, row_hi(tile, s_slot(e0 * NT + tx)), red[1]))
+                else:
+                    red[0] = T.float32(0)
+                    for w in range(NW):
+                        red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
+                    if p_b(ps, e0 * NT + tx) < n and (p_row(tile, e0 * NT + tx) < O if row_pred else True):
+                        if has_res:
+                            out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
+                                epilogue, dtype, out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), red[0]),
+                                res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
+                        else:
+                            out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
+                                out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), red[0]))
+        T.tvm_storage_sync("shared")
+
+    return epilogue_pass
+
+
 # ---------------------------------------------------------------------------------------------
 def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
     silu = epilogue == "silu_mul"
@@ -161,17 +303,7 @@ def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps,
     row_pred = (OO % 8 != 0) if silu else (O % 16 != 0)
     mma_name, mma_src = _mma_source(dtype)
 
-    def row_lo(tile, g):
-        return tile * 8 + g if silu else tile * 16 + g
-
-    def row_hi(tile, g):
-        return OO + tile * 8 + g if silu else tile * 16 + 8 + g
-
-    def lo_ok(tile, g):
-        return tile * 8 + g < OO if silu else tile * 16 + g < O
-
-    def hi_ok(tile, g):
-        return tile * 8 + g < OO if silu else tile * 16 + 8 + g < O
+    row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
 
     def k0(it, tx, u):
         """first K element of lane tx's 16-byte chunk u in its warp's iteration it"""
@@ -186,35 +318,12 @@ def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps,
         # resident at once; ptxas then schedules each iteration's loads ahead of the mma chain within
         # that register budget (without a minimum it trades the load batching for fewer registers)
         MB = min_blocks if NBT == 1 else 1
-        NE = NBT * (64 if silu else 128)  # epilogue entries per pass
-        NEP = (NE + NT - 1) // NT
+        epilogue_pass = _mma_epilogue(O, dtype, out_dtype, epilogue, NBT=NBT, NW=NW, NT=NT, row_pred=row_pred,
+                                      scale=lambda ws2, row, v: v)
 
         def xrow(ps, bt, tx):
             """batch row whose x lane tx loads for batch tile bt (B column g = lane/4)"""
             return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
-
-        # plain / residual entry e (< NBT*128): (bt, lane l, i) -> row slot l/4 + 8*(i//2), col 2(l%4) + i%2
-        def p_part(w, e):
-            return part_index(w, e // 128, e % 128 // 4, e % 4)
-
-        def p_b(ps, e):
-            return T.Cast("int64", ps * NB + e // 128 * 8 + e % 128 // 4 % 4 * 2 + e % 2)
-
-        def p_row(tile, e):
-            return tile * 16 + e % 128 // 16 + e % 4 // 2 * 8
-
-        # silu entry e (< NBT*64): (bt, lane l, j): gate = (slot l/4, col 2(l%4)+j), up = slot + 8
-        def s_part(w, e, up):
-            return part_index(w, e // 64, e % 64 // 2, e % 2 + 2 * up)
-
-        def s_b(ps, e):
-            return T.Cast("int64", ps * NB + e // 64 * 8 + e % 64 // 2 % 4 * 2 + e % 2)
-
-        def s_slot(e):
-            return e % 64 // 8
-
-        def part_index(w, bt, lane, i):
-            return ((w * NBT + bt) * 32 + lane) * 4 + i
 
         @T.macro
         def body(n, xu, wu, res, out):
@@ -257,78 +366,29 @@ def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps,
                                                 wl[u * 4 + 2 * j + 1], wh[u * 4 + 2 * j + 1],
                                                 xr[(bt * U + u) * 4 + 2 * j], xr[(bt * U + u) * 4 + 2 * j + 1],
                                                 source_code=mma_src)
-                            # C fragment: acc[bt*4 + i] = (row slot g + 8*(i//2), batch col 2q + i%2)
-                            for bt in T.unroll(NBT):
-                                for i in T.unroll(4):
-                                    part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
-                            T.tvm_storage_sync("shared")
-                            for e0 in range(NEP):
-                                if e0 * NT + tx < NE:
-                                    if silu:
-                                        red[0] = T.float32(0)
-                                        red[1] = T.float32(0)
-                                        for w in range(NW):
-                                            red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
-                                            red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
-                                        if s_b(ps, e0 * NT + tx) < n and (
-                                                lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
-                                            out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
-                                                dtype, out_dtype, red[0], red[1])
-                                    else:
-                                        red[0] = T.float32(0)
-                                        for w in range(NW):
-                                            red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
-                                        if p_b(ps, e0 * NT + tx) < n and (
-                                                p_row(tile, e0 * NT + tx) < O if row_pred else True):
-                                            if has_res:
-                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
-                                                    epilogue, dtype, out_dtype, red[0],
-                                                    res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
-                                            else:
-                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
-                                                    out_dtype, red[0])
-                            T.tvm_storage_sync("shared")
+                            epilogue_pass(n, ps, tile, tx, acc, part, red, None, res, out)
 
         return body
 
     small = make_body(1)
     big = make_body(big_tiles)
 
-    if has_res:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K), dtype)
-            res = T.match_buffer(var_res, (n, OO), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
-            wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
-            if n <= 8:
-                small(n, xu, wu, res, out)
-            else:
-                big(n, xu, wu, res, out)
-    else:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
-            wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
-            if n <= 8:
-                small(n, xu, wu, None, out)
-            else:
-                big(n, xu, wu, None, out)
+    @T.macro
+    def run(n, x, w, ws, ws2, res, out):
+        xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+        wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
+        if n <= 8:
+            small(n, xu, wu, res, out)
+        else:
+            big(n, xu, wu, res, out)
 
-    return gemv
+    return _entry(K, O, OO, dtype, out_dtype, has_res, False, run)
 
 
 # ---------------------------------------------------------------------------------------------
-def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
+def _fma_body(K, O, dtype, out_dtype, epilogue, *, warps, wval):
+    """The FMA path's kernel body (both weight formats): 4 weight rows per block, 8 batch rows per pass,
+    a warp per 32 K elements; wval(w, ws, ws2, row, k) is the fp32 weight element. -> (body macro, OO)."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
     OO = O // 2 if silu else O
@@ -348,7 +408,7 @@ def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
         return tile * 2 + s % 2 < OO if silu else tile * TR + s < O
 
     @T.macro
-    def body(n, x, w, res, out):
+    def body(n, x, w, ws, ws2, res, out):
         for tile in T.thread_binding(TILES, thread="blockIdx.x"):
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 acc = T.alloc_buffer((TR * NB,), "float32", scope="local")
@@ -363,7 +423,7 @@ def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
                         if it * NT + tx < K:
                             for s in T.unroll(TR):
                                 if row_ok(tile, s):
-                                    wv[s] = T.Cast("float32", w[row_of(tile, s), it * NT + tx])
+                                    wv[s] = wval(w, ws, ws2, row_of(tile, s), it * NT + tx)
                                 else:
                                     wv[s] = T.float32(0)
                             for b in T.unroll(NB):
@@ -404,27 +464,15 @@ def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
                                         out_dtype, red[0])
                     T.tvm_storage_sync("shared")
 
-    if has_res:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K), dtype)
-            res = T.match_buffer(var_res, (n, OO), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            body(n, x, w, res, out)
-    else:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            body(n, x, w, None, out)
+    return body, OO
 
-    return gemv
+
+def _fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
+    body, OO = _fma_body(K, O, dtype, out_dtype, epilogue, warps=warps,
+                         wval=lambda w, ws, ws2, row, k: T.Cast("float32", w[row, k]))
+
+
+    return _entry(K, O, OO, dtype, out_dtype, epilogue == "residual", False, body)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,17 +542,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
     mma_name, mma_src = _mma_source(dtype)
     gmul = float(2 ** NVFP4_SHIFT)
 
-    def row_lo(tile, g):
-        return tile * 8 + g if silu else tile * 16 + g
-
-    def row_hi(tile, g):
-        return OO + tile * 8 + g if silu else tile * 16 + 8 + g
-
-    def lo_ok(tile, g):
-        return tile * 8 + g < OO if silu else tile * 16 + g < O
-
-    def hi_ok(tile, g):
-        return tile * 8 + g < OO if silu else tile * 16 + 8 + g < O
+    row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
 
     def make_body(NBT: int, U: int):
         NB = 8 * NBT
@@ -516,8 +554,8 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
         NT = 32 * NW
         MB = resident_blocks(TILES, NT, sms, min_regs=128) if NBT == 1 else 1
         k_pred = K % KC != 0 or ITS % NW != 0
-        NE = NBT * (64 if silu else 128)
-        NEP = (NE + NT - 1) // NT
+        epilogue_pass = _mma_epilogue(O, dtype, out_dtype, epilogue, NBT=NBT, NW=NW, NT=NT, row_pred=row_pred,
+                                      scale=lambda ws2, row, v: v * (ws2[row] * T.float32(gmul)))
 
         def k0(it, tx, u):
             """first K element of lane tx's 32 codes in unroll step u of its warp's iteration it"""
@@ -531,30 +569,6 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
         def xrow(ps, bt, tx):
             return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
-
-        def part_index(w, bt, lane, i):
-            return ((w * NBT + bt) * 32 + lane) * 4 + i
-
-        def p_part(w, e):
-            return part_index(w, e // 128, e % 128 // 4, e % 4)
-
-        def p_b(ps, e):
-            return T.Cast("int64", ps * NB + e // 128 * 8 + e % 128 // 4 % 4 * 2 + e % 2)
-
-        def p_row(tile, e):
-            return tile * 16 + e % 128 // 16 + e % 4 // 2 * 8
-
-        def s_part(w, e, up):
-            return part_index(w, e // 64, e % 64 // 2, e % 2 + 2 * up)
-
-        def s_b(ps, e):
-            return T.Cast("int64", ps * NB + e // 64 * 8 + e % 64 // 2 % 4 * 2 + e % 2)
-
-        def s_slot(e):
-            return e % 64 // 8
-
-        def gsc(ws2, row):
-            return ws2[row] * T.float32(gmul)
 
         @T.macro
         def body(n, xu, wu, wsh, ws2, res, out):
@@ -623,83 +637,24 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                                                 mma_name, T.address_of(acc[bt * 4]),
                                                 al[2 * j], ah[2 * j], al[2 * j + 1], ah[2 * j + 1],
                                                 xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
-                            for bt in T.unroll(NBT):
-                                for i in T.unroll(4):
-                                    part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
-                            T.tvm_storage_sync("shared")
-                            for e0 in range(NEP):
-                                if e0 * NT + tx < NE:
-                                    if silu:
-                                        red[0] = T.float32(0)
-                                        red[1] = T.float32(0)
-                                        for w in range(NW):
-                                            red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
-                                            red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
-                                        if s_b(ps, e0 * NT + tx) < n and (
-                                                lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
-                                            out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
-                                                dtype, out_dtype,
-                                                red[0] * gsc(ws2, row_lo(tile, s_slot(e0 * NT + tx))),
-                                                red[1] * gsc(ws2, row_hi(tile, s_slot(e0 * NT + tx))))
-                                    else:
-                                        red[0] = T.float32(0)
-                                        for w in range(NW):
-                                            red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
-                                        if p_b(ps, e0 * NT + tx) < n and (
-                                                p_row(tile, e0 * NT + tx) < O if row_pred else True):
-                                            if has_res:
-                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
-                                                    epilogue, dtype, out_dtype,
-                                                    red[0] * gsc(ws2, p_row(tile, e0 * NT + tx)),
-                                                    res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
-                                            else:
-                                                out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
-                                                    out_dtype, red[0] * gsc(ws2, p_row(tile, e0 * NT + tx)))
-                            T.tvm_storage_sync("shared")
+                            epilogue_pass(n, ps, tile, tx, acc, part, red, ws2, res, out)
 
         return body
 
     small = make_body(1, unroll)
     big = make_body(big_tiles, big_unroll)
 
-    if has_res:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
-                 var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K // 2), "uint8")
-            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
-            ws2 = T.match_buffer(var_ws2, (O,), "float32")
-            res = T.match_buffer(var_res, (n, OO), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
-            wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
-            wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
-            if n <= 8:
-                small(n, xu, wu, wsh, ws2, res, out)
-            else:
-                big(n, xu, wu, wsh, ws2, res, out)
-    else:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K // 2), "uint8")
-            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
-            ws2 = T.match_buffer(var_ws2, (O,), "float32")
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
-            wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
-            wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
-            if n <= 8:
-                small(n, xu, wu, wsh, ws2, None, out)
-            else:
-                big(n, xu, wu, wsh, ws2, None, out)
+    @T.macro
+    def run(n, x, w, ws, ws2, res, out):
+        xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
+        wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
+        wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
+        if n <= 8:
+            small(n, xu, wu, wsh, ws2, res, out)
+        else:
+            big(n, xu, wu, wsh, ws2, res, out)
 
-    return gemv
+    return _entry(K, O, OO, dtype, out_dtype, has_res, True, run)
 
 
 def _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
@@ -707,110 +662,14 @@ def _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
     element dequantized exactly as compile/kernels/dequant.py does (fp32 e2m1 * e4m3 * g, cast to dtype)."""
     from ..dequant import _e2m1, _e4m3
 
-    silu = epilogue == "silu_mul"
-    has_res = epilogue == "residual"
-    OO = O // 2 if silu else O
-    TR = 4
-    NB = 8
-    TILES = (OO + 1) // 2 if silu else (O + TR - 1) // TR
-    NW = max(1, min(warps, (K + 31) // 32))
-    NT = 32 * NW
-    NIT = (K + NT - 1) // NT
-
-    def row_of(tile, s):
-        if silu:
-            return T.Select(s < 2, tile * 2 + s, OO + tile * 2 + s - 2)
-        return tile * TR + s
-
-    def row_ok(tile, s):
-        return tile * 2 + s % 2 < OO if silu else tile * TR + s < O
-
     def wval(w, ws, ws2, row, k):
         code = (T.Cast("uint32", w[row, k // 2]) >> T.Cast("uint32", k % 2 * 4)) & T.uint32(15)
         return T.Cast("float32", T.Cast(dtype, _e2m1(code) * _e4m3(ws[row, k // 16]) * ws2[row]))
 
-    @T.macro
-    def body(n, x, w, ws, ws2, res, out):
-        for tile in T.thread_binding(TILES, thread="blockIdx.x"):
-            for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                acc = T.alloc_buffer((TR * NB,), "float32", scope="local")
-                wv = T.alloc_buffer((TR,), "float32", scope="local")
-                xv = T.alloc_buffer((1,), "float32", scope="local")
-                part = T.alloc_buffer((NW * TR * NB,), "float32", scope="shared")
-                red = T.alloc_buffer((2,), "float32", scope="local")
-                for ps in range((n + NB - 1) // NB):
-                    for i in T.unroll(TR * NB):
-                        acc[i] = T.float32(0)
-                    for it in range(NIT):
-                        if it * NT + tx < K:
-                            for s in T.unroll(TR):
-                                if row_ok(tile, s):
-                                    wv[s] = wval(w, ws, ws2, row_of(tile, s), it * NT + tx)
-                                else:
-                                    wv[s] = T.float32(0)
-                            for b in T.unroll(NB):
-                                if T.Cast("int64", ps * NB + b) < n:
-                                    xv[0] = T.Cast("float32", x[T.Cast("int64", ps * NB + b), it * NT + tx])
-                                    for s in T.unroll(TR):
-                                        acc[s * NB + b] = acc[s * NB + b] + wv[s] * xv[0]
-                    for i in T.unroll(TR * NB):
-                        for o in T.unroll(5):
-                            acc[i] = acc[i] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[i], 16 >> o, 32, 32)
-                    if tx % 32 == 0:
-                        for i in T.unroll(TR * NB):
-                            part[tx // 32 * TR * NB + i] = acc[i]
-                    T.tvm_storage_sync("shared")
-                    if silu:
-                        if tx < 2 * NB:
-                            red[0] = T.float32(0)
-                            red[1] = T.float32(0)
-                            for ww in range(NW):
-                                red[0] = red[0] + part[ww * TR * NB + tx]
-                                red[1] = red[1] + part[ww * TR * NB + 2 * NB + tx]
-                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
-                                out[T.Cast("int64", ps * NB + tx % NB), tile * 2 + tx // NB] = _silu_mul(
-                                    dtype, out_dtype, red[0], red[1])
-                    else:
-                        if tx < TR * NB:
-                            red[0] = T.float32(0)
-                            for ww in range(NW):
-                                red[0] = red[0] + part[ww * TR * NB + tx]
-                            if T.Cast("int64", ps * NB + tx % NB) < n and row_ok(tile, tx // NB):
-                                if has_res:
-                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = _epilogue_value(
-                                        epilogue, dtype, out_dtype, red[0],
-                                        res[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB])
-                                else:
-                                    out[T.Cast("int64", ps * NB + tx % NB), tile * TR + tx // NB] = T.Cast(
-                                        out_dtype, red[0])
-                    T.tvm_storage_sync("shared")
+    body, OO = _fma_body(K, O, dtype, out_dtype, epilogue, warps=warps, wval=wval)
 
-    if has_res:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
-                 var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K // 2), "uint8")
-            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
-            ws2 = T.match_buffer(var_ws2, (O,), "float32")
-            res = T.match_buffer(var_res, (n, OO), dtype)
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            body(n, x, w, ws, ws2, res, out)
-    else:
-        @T.prim_func
-        def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_out: T.handle):
-            T.func_attr({"tirx.noalias": True})
-            n = T.int64()
-            x = T.match_buffer(var_x, (n, K), dtype)
-            w = T.match_buffer(var_w, (O, K // 2), "uint8")
-            ws = T.match_buffer(var_ws, (O, K // 16), "uint8")
-            ws2 = T.match_buffer(var_ws2, (O,), "float32")
-            out = T.match_buffer(var_out, (n, OO), out_dtype)
-            body(n, x, w, ws, ws2, None, out)
 
-    return gemv
+    return _entry(K, O, OO, dtype, out_dtype, epilogue == "residual", True, body)
 
 
 @lru_cache(maxsize=None)
