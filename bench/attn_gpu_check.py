@@ -54,6 +54,7 @@ LAYERS = 2
 LAYER = 1  # the call writes / reads layer 1 of 2 (the layer stride is exercised)
 GEO27 = (24, 4, 256)
 GEO_TINY = (4, 2, 32)
+GEO_SMALL = (8, 2, 64)  # G = 4, D = 64: the smallest geometry of the prefill (FlashAttention-2) path
 QUANT = ("fp8", "nvfp4")
 FP8_ROW_PAD = 4
 NVFP4_BLOCK = 16
@@ -68,6 +69,7 @@ FUNCS = {
     "f32tiny": (GEO_TINY, "float32", None),
     "fp8tiny": (GEO_TINY, "float32", "fp8"),
     "nvfp4tiny": (GEO_TINY, "bfloat16", "nvfp4"),
+    "bf16small": (GEO_SMALL, "bfloat16", None),
 }
 # variants of the bf16 27B kernel, timed next to the default (registry) configuration
 VARIANTS = {
@@ -101,6 +103,11 @@ CASES = [
     ("bf16_dec_ragged", "bf16", [(8191, 1), (100, 1), (0, 1), (3000, 1), (64, 1)], False, False),
     ("bf16_prefill_300_500", "bf16", [(500, 300)], True, False),
     ("bf16_prefill_ragged", "bf16", [(100, 37), (0, 20), (700, 1)], False, False),
+    # prefill (n >= 64 tokens: the FlashAttention-2 attend launch); TFLOP/s = causal attention FLOPs / time
+    ("bf16_pf_2k", "bf16", [(0, 2048)], True, False),
+    ("bf16_pf_8k", "bf16", [(0, 8192)], True, False),
+    ("bf16_pf_2k_after_6k", "bf16", [(6144, 2048)], True, False),
+    ("bf16_pf_mixed", "bf16", [(1000, 700), (0, 333), (5000, 65)], False, False),
     ("fp8_dec_b1_2k", "fp8", _dec(1, 2000), True, False),
     ("fp8_dec_b4_2k", "fp8", [(1999, 1), (2047, 1), (1500, 1), (64, 1)], True, False),
     ("fp8_prefill", "fp8", [(300, 90), (0, 33)], False, False),
@@ -120,6 +127,11 @@ CASES = [
     ("emu_fp8tiny", "fp8tiny", [(70, 5), (0, 3)], False, True),
     ("emu_nvfp4tiny", "nvfp4tiny", [(70, 5), (0, 3)], False, True),
     ("emu_f16_dec", "f16", [(90, 1)], False, True),
+    # prefill path (n >= 64): several sequences in a row tile, ragged lengths, chunks after existing context
+    ("emu_bf16_pf", "bf16", [(40, 30), (0, 21), (100, 19)], False, True),
+    ("emu_bf16small_pf", "bf16small", [(70, 33), (0, 31), (5, 9), (130, 3)], False, True),
+    ("emu_bf16_pf_long", "bf16", [(333, 77), (64, 64)], False, True),
+    ("emu_f16_pf", "f16", [(20, 70)], False, True),
 ]
 
 
@@ -329,6 +341,12 @@ def tolerance(m: dict) -> float:
     return 1e-4 if m["dtype"] == "float32" else 1e-2
 
 
+def attn_flops(m: dict, pos) -> int:
+    """Causal attention FLOPs of the call: 4 * (pos + 1) * D per query head and token (QK^T and PV)."""
+    hq, hkv, d = m["geo"]
+    return int(sum(int(p) + 1 for p in pos)) * 4 * d * hq
+
+
 def kv_bytes_read(m: dict, pos) -> int:
     hq, hkv, d = m["geo"]
     return int(sum(int(p) + 1 for p in pos)) * hkv * 2 * row_nbytes(m["kv"], d)
@@ -469,12 +487,17 @@ def _cupti(torch, fn, args, name: str, calls: int = 10) -> dict:
                 fn(*args)
             torch.cuda.synchronize()
         res = {"append": 0.0, "attend": 0.0, "combine": 0.0}
+        raw = {}
         for e in prof.key_averages():
             if not e.key.startswith(name + "_kernel"):
                 continue
             t = float(getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0) or 0) / calls
-            part = {"": "append", "_1": "attend", "_2": "combine"}.get(e.key[len(name) + 7:], e.key)
-            res[part] = res.get(part, 0.0) + t
+            suf = e.key[len(name) + 7:]
+            raw[int(suf[1:]) if suf[1:].isdigit() else 0] = raw.get(int(suf[1:]) if suf[1:].isdigit() else 0, 0.0) + t
+        # kernel 0 appends, the last one (always launched) combines, the ones between attend (split / prefill)
+        for kix, t in raw.items():
+            part = "append" if kix == 0 else "combine" if kix == max(raw) else "attend"
+            res[part] += t
         res["total"] = res["append"] + res["attend"] + res["combine"]
         return res
     except Exception as e:  # noqa: BLE001 - profiling is optional
@@ -614,6 +637,7 @@ def cmd_run(a) -> int:
             del ref_pool
             bytes_read = kv_bytes_read(m, pos)
             row["kv_bytes_read"] = bytes_read
+            row["flops"] = attn_flops(m, pos)
             print(f"{name:24s} {'PASS' if passed else 'FAIL'} rel_err={err:.2e} (tol {tol:g}) "
                   f"pool_bytes_differing={differ} nsplit={row['nsplit']}", flush=True)
             if m["timed"] and timing_on:
@@ -641,7 +665,7 @@ def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
     """Times the case's kernel, the HEAD baseline and (bf16, within the budget) the variants."""
     torch, dev = be.torch, be.dev
     fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs]
-    if m["tag"] == "bf16" and not a.skip_variants and time.time() - t_start < a.budget_s:
+    if m["tag"] == "bf16" and not a.skip_variants and time.time() - t_start < a.budget_s and "_pf_" not in m["name"]:
         fns += [fn for fn in sorted(funcs) if fn.startswith("v_")]
     timing = {}
     for fn in fns:
@@ -653,8 +677,17 @@ def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
             tt["graph_error"] = repr(e)[:200]
         tt["eager_us"] = _time_eager(dev, ff, args, a.reps) * 1e6
         tt["cupti_us"] = _cupti(torch, ff, args, fn) if fn == m["func"] else {}
+        # A torch graph that did not record TVM's launches replays in ~1-2 us whatever the kernel: such a time
+        # (below the CUPTI kernel sum, or under a quarter of the eager call) is dropped, not reported.
+        floor_us = tt["cupti_us"].get("total") or 0.25 * tt["eager_us"]
+        if tt.get("graph_us") is not None and tt["graph_us"] < 0.9 * floor_us:
+            tt["graph_invalid_us"] = tt.pop("graph_us")
         best = tt.get("graph_us") or tt["eager_us"]
         tt["GBps"] = bytes_read / (best * 1e-6) / 1e9
+        tt["TFLOPs"] = attn_flops(m, case_tokens(m)[0]) / (best * 1e-6) / 1e12
+        att = tt["cupti_us"].get("attend") if tt["cupti_us"] else None
+        if att:
+            tt["attend_TFLOPs"] = attn_flops(m, case_tokens(m)[0]) / (att * 1e-6) / 1e12
         tt["fraction_of_copy_bw"] = bytes_read / (best * 1e-6) / (bw / 2)
         if fn != m["func"]:  # variants / baseline: outputs must agree too
             tt["rel_err"] = rel_err(be.call(fn, args), ref)
@@ -663,6 +696,8 @@ def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
         print(f"    {fn:14s} graph {tt.get('graph_us', float('nan')):9.1f} us  eager {tt['eager_us']:9.1f} us"
               f"  kernels {cu.get('total', float('nan')):9.1f} us (attend {cu.get('attend', float('nan')):.1f})"
               f"  {tt['GBps']:7.0f} GB/s {100 * tt['fraction_of_copy_bw']:5.1f}% of copy"
+              + f"  {tt['TFLOPs']:6.1f} TFLOP/s"
+              + (f" (attend kernel {tt['attend_TFLOPs']:.1f})" if "attend_TFLOPs" in tt else "")
               + (f"  rel_err {tt['rel_err']:.1e}" if "rel_err" in tt else ""), flush=True)
     return timing
 
@@ -689,7 +724,7 @@ def _np_bytes(a: np.ndarray) -> np.ndarray:
 
 
 def _print_table(res: dict) -> None:
-    print("\ncase                      err      new(us)  old(us)  speedup  new GB/s  %copy  best variant (us)")
+    print("\ncase                      err      new(us)  old(us)  speedup  new GB/s  %copy  TFLOP/s new/old  best variant (us)")
     for name, r in res["cases"].items():
         if "error" in r:
             print(f"{name:24s}  ERROR")
@@ -706,6 +741,7 @@ def _print_table(res: dict) -> None:
         print(f"{name:24s} {r['rel_err']:.1e} " + (f"{nu:9.1f} " if nu else " " * 10)
               + (f"{ou:8.1f} " if ou else " " * 9) + (f"{ou / nu:7.2f}x " if nu and ou else " " * 9)
               + (f"{new['GBps']:8.0f}  {100 * new['fraction_of_copy_bw']:5.1f} " if new else " " * 16)
+              + (f" {new['TFLOPs']:6.1f}/{old['TFLOPs'] if old else float('nan'):6.1f}  " if new else " " * 17)
               + (f" {best[0]} ({best[1]:.1f})" if best else ""))
 
 
@@ -908,6 +944,41 @@ static void ninfer_attn_mma_f16(float* c, unsigned a0, unsigned a1, unsigned a2,
   emu_mma<1>(c, a0, a1, a2, a3, b0, b1);
 }
 static void ninfer_attn_ld16(unsigned* d, const void* p) { memcpy(d, p, 16); }
+#define ninfer_attn_pf_mma_bf16 ninfer_attn_mma_bf16
+#define ninfer_attn_pf_mma_f16 ninfer_attn_mma_f16
+#define ninfer_attn_pf_pack_bf16x2 ninfer_attn_pack_bf16x2
+#define ninfer_attn_pf_pack_f16x2 ninfer_attn_pack_f16x2
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane l gives the row address of matrix l / 8, row l % 8
+// (16 bytes); lane (g, t) receives of matrix j: row g, elements 2t, 2t+1 (.trans: rows 2t, 2t+1 of column g)
+static const void* g_ldsm[32][32];
+template <int TR> static void emu_ldsm(unsigned* r, const void* p) {
+  int w = g_cur >> 5, l = g_cur & 31;
+  g_ldsm[w][l] = p;
+  emu_bar_wait(1 + w);
+  int g = l >> 2, t = l & 3;
+  unsigned d[4];
+  for (int j = 0; j < 4; ++j) {
+    uint16_t lo, hi;
+    if (TR) {
+      memcpy(&lo, (const char*)g_ldsm[w][8 * j + 2 * t] + 2 * g, 2);
+      memcpy(&hi, (const char*)g_ldsm[w][8 * j + 2 * t + 1] + 2 * g, 2);
+    } else {
+      memcpy(&lo, (const char*)g_ldsm[w][8 * j + g] + 4 * t, 2);
+      memcpy(&hi, (const char*)g_ldsm[w][8 * j + g] + 4 * t + 2, 2);
+    }
+    d[j] = (unsigned)lo | ((unsigned)hi << 16);
+  }
+  emu_bar_wait(1 + w);
+  for (int j = 0; j < 4; ++j) r[j] = d[j];
+}
+static void ninfer_attn_ldsm_x4(unsigned* r, const void* p) { emu_ldsm<0>(r, p); }
+static void ninfer_attn_ldsm_x4_t(unsigned* r, const void* p) { emu_ldsm<1>(r, p); }
+// cp.async: the copy happens at once (fibers only switch at barriers / warp collectives, and the kernels
+// __syncthreads() after cp.async.wait_group before any other thread reads the data)
+static void ninfer_attn_cp16(void* dst, const void* src) { memcpy(dst, src, 16); }
+static void ninfer_attn_cp_commit() {}
+static void ninfer_attn_cp_wait0() {}
+static void ninfer_attn_cp_wait1() {}
 static unsigned ninfer_attn_pack_bf16x2(float lo, float hi) {
   nv_bfloat16 a(lo), b(hi);
   return (unsigned)a.b | ((unsigned)b.b << 16);
@@ -1020,7 +1091,14 @@ class EmuLib:
         src, host = cuda_source(funcs, arch, cse=False)  # CSE off: kernel scalars are the named shape vars
         self.launches = self._parse_host(host, list(funcs))
         body = src[src.index('extern "C"'):]
-        body = re.sub(r"__shared__ (alignas\(\d+\) )?", r"\1static ", body)  # blocks run one at a time
+        # device functions of the kernels' own source (prefill_source) live in the preamble: keep them
+        own = dict.fromkeys(re.findall(r"// NINFER_ATTN_SRC_BEGIN.*?// NINFER_ATTN_SRC_END", src[:src.index('extern "C"')],
+                                       flags=re.S))
+        body = "\n".join(own) + "\n" + body
+        # blocks run one at a time: shared memory is static storage (dynamic shared memory: 256 KiB)
+        body = re.sub(r"extern __shared__ __align__\((\d+)\) (\w+) (\w+)\[\];", r"alignas(\1) static \2 \3[1 << 18];",
+                      body)
+        body = re.sub(r"__shared__ (alignas\(\d+\) )?", r"\1static ", body)
         body = re.sub(r"// NINFER_ATTN_DEV_BEGIN.*?// NINFER_ATTN_DEV_END", "", body, flags=re.S)  # emulated above
         self.kernels = {}  # name -> (block threads, [(ctype, param name)])
         wrappers = []
@@ -1047,26 +1125,48 @@ class EmuLib:
 
     @staticmethod
     def _parse_host(script: str, names) -> dict:
-        """{prim_func name: [(kernel, [arg exprs], [launch param names])]} in launch order."""
+        """{prim_func name: [(kernel, [arg exprs], [launch param names], [(host condition, negated)])]} in
+        launch order; the conditions are the host `if` / `else` branches around the launch."""
         out = {}
         cur = None
+        stack = []  # (indent, condition, in else branch)
         for line in script.splitlines():
+            st = line.strip()
+            if not st:
+                continue
+            ind = len(line) - len(line.lstrip())
+            if st == "else:":
+                while stack and stack[-1][0] > ind:
+                    stack.pop()
+                if stack and stack[-1][0] == ind:
+                    stack[-1] = (ind, stack[-1][1], True)
+                continue
+            while stack and stack[-1][0] >= ind:
+                stack.pop()
             m = re.match(r"\s*def (\w+)\(", line)
             if m and m.group(1) in names:
                 cur = m.group(1)
                 out[cur] = []
+                stack = []
+            m = re.match(r"if (.*):$", st)
+            if m:
+                stack.append((ind, m.group(1), False))
+                continue
             m = re.search(r'T\.call_ffi_kernel\("(\w+)", (.*), launch_params=\[(.*?)\]', line)
             if m and cur:
-                out[cur].append((m.group(1), _split_args(m.group(2)), [x.strip().strip('"') for x in m.group(3).split(",")]))
+                out[cur].append((m.group(1), _split_args(m.group(2)), [x.strip().strip('"') for x in m.group(3).split(",")],
+                                 [(c, neg) for _, c, neg in stack]))
         return out
 
     def __call__(self, func: str, arrays: dict, scalars: dict):
         """Run prim_func `func`: arrays by buffer name (numpy, modified in place), scalars by name."""
         keep = []
-        for kname, args, lp in self.launches[func]:
+        for kname, args, lp, conds in self.launches[func]:
             nt, plist = self.kernels[kname]
             nparams = len(plist)
             env = dict(scalars)
+            if not all(bool(eval(c, {"T": _TEval}, env)) != neg for c, neg in conds):  # noqa: S307
+                continue
             vals = [eval(x, {"T": _TEval}, env) if not x.endswith(".data") else x for x in args]  # noqa: S307
             dims = dict(zip(lp, vals[nparams:]))
             ptrs = (ctypes.c_void_p * nparams)()
@@ -1104,7 +1204,8 @@ def emulate_case(m: dict, lib: EmuLib | None = None, func: str | None = None) ->
     from ninfer_mlc.compile.kernels.cuda.registry import kernel_params
 
     kp = kernel_params()["paged_attention"]
-    ns = A.attend_splits(n, pt.shape[1], hkv, PAGE, kp["threads"], kp["target_blocks"])
+    ns = A.attend_splits(n, pt.shape[1], hkv, PAGE, kp["threads"], kp["target_blocks"],
+                         A.PF_MIN_ROWS if A.prefill_applies(hq, hkv, d, m["dtype"], m["kv"]) else None)
     ws = n * hq * max(2 * pt.shape[1], ns)  # >= any split count (also the baseline kernel's <= p)
     pool = np.ascontiguousarray(pool0.copy())
     out = np.full((n, hq, d), np.nan, np.float32).astype(_np_dt(m["dtype"]))

@@ -1,12 +1,15 @@
-"""Prefill GEMM tile variants on the GPU: correctness vs torch and TFLOP/s per variant.
+"""Prefill GEMM variants on the GPU: correctness vs torch and TFLOP/s per variant.
 
   prep OUT            (here, nvcc + stub libcuda) OUT/gemm.so + OUT/gemm.json: y = cast(x @ W^T) bf16,
-                      fp32 accumulation, dynamic row count, for the 27B projection shapes, once with
-                      DLight's WMMA schedule (TensorCoreMatmul) and once per TiledTensorCoreMatmul config
+                      fp32 accumulation, dynamic row count, for the 27B projection shapes: DLight's WMMA
+                      schedule (TensorCoreMatmul), the TiledTensorCoreMatmul configs, and the sm_90a
+                      wgmma kernel (compile/kernels/cuda/gemm_sm90.py) per (bn, stages, group_m), plus its
+                      fused epilogues (gate_up silu_mul, down + residual) and odd shapes (K, O not
+                      multiples of the tiles; rows not a multiple of 128, and few rows = the GEMV launch)
   run OUT RESULT.json (GPU machine, runtime-only TVM + torch) max relative error vs torch and the rate
                       of each variant at 2048 and 8192 rows, next to torch's (cuBLAS) rate
 
-The chosen config goes into schedules/cuda_<arch>.json ("tensor_core").
+The chosen config goes into schedules/cuda_<arch>.json ("tensor_core", "kernels.gemm").
 """
 from __future__ import annotations
 
@@ -19,15 +22,20 @@ import gpu_common as gc
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"qkv": (14336, 5120), "gate_up": (34816, 5120), "down": (5120, 17408)}
-VARIANTS = {
-    "dlight": None,
-    "w2x4_f4x4_k2": dict(warps_m=2, warps_n=4, frags_m=4, frags_n=4, k_frags=2),
-    "w4x2_f2x4_k4": dict(warps_m=4, warps_n=2, frags_m=2, frags_n=4, k_frags=4),
+VARIANTS = {  # DLight WMMA baselines: the schedule file's tiling (earlier sweeps: BENCHMARKS.md run 3)
     "w2x2_f4x4_k4": dict(warps_m=2, warps_n=2, frags_m=4, frags_n=4, k_frags=4),
-    "w2x4_f4x2_k4": dict(warps_m=2, warps_n=4, frags_m=4, frags_n=2, k_frags=4),
-    "w4x4_f2x4_k2": dict(warps_m=4, warps_n=4, frags_m=2, frags_n=4, k_frags=2),
 }
 ROWS = (2048, 8192)
+# wgmma kernel variants (bn, stages, group_m); the first is the registry default
+WG_VARIANTS = [(256, 4, 8), (256, 4, 16), (256, 3, 8), (128, 4, 8), (128, 6, 8)]
+# epilogue / edge cases of the default variant: name -> (K, O, epilogue, rows)
+WG_CASES = {
+    "gate_up_silu": (5120, 34816, "silu_mul", (2048,)),
+    "down_res": (17408, 5120, "residual", (2048,)),
+    "odd_none": (200, 300, "none", (1, 20, 33, 200, 1000)),
+    "odd_res": (72, 520, "residual", (5, 129, 300)),
+    "odd_silu": (136, 260, "silu_mul", (7, 40, 257)),
+}
 
 
 def _mm(n: int, k: int):
@@ -67,6 +75,19 @@ def cmd_prep(a) -> int:
                 name = f"mm_{vname}_{sname}"
                 funcs[name] = sch[0].mod["main"].with_attr("global_symbol", name)
                 meta[name] = {"variant": vname, "shape": sname, "n": n, "k": k, "config": cfg}
+        from ninfer_mlc.compile.kernels.cuda import gemm_sm90
+
+        for bn, st, gm in WG_VARIANTS:
+            vname = f"wg_bn{bn}_s{st}_g{gm}"
+            for sname, (n, k) in SHAPES.items():
+                f = gemm_sm90.gemm(k, n, "bfloat16", "bfloat16", "none", bn=bn, stages=st, group_m=gm)
+                name = f"mm_{vname}_{sname}"
+                funcs[name] = f.with_attr("global_symbol", name)
+                meta[name] = {"variant": vname, "shape": sname, "n": n, "k": k, "config": [bn, st, gm]}
+        for cname, (k, n, epi, rows) in WG_CASES.items():
+            name = f"case_{cname}"
+            funcs[name] = gemm_sm90.gemm(k, n, "bfloat16", "bfloat16", epi).with_attr("global_symbol", name)
+            meta[name] = {"variant": "wg_default", "case": cname, "n": n, "k": k, "epilogue": epi, "rows": list(rows)}
         t = time.time()
         ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
         print(f"built {len(funcs)} functions in {time.time() - t:.1f}s", flush=True)
@@ -99,6 +120,39 @@ def cmd_run(a) -> int:
         return s.elapsed_time(e) / 1e3 / reps
 
     g = torch.Generator(device="cuda").manual_seed(0)
+    for name, mt in meta.items():  # fused epilogues and edge shapes: correctness (+ rate of the big ones)
+        if "case" not in mt:
+            continue
+        n, k, epi = mt["n"], mt["k"], mt["epilogue"]
+        w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
+        oo = n // 2 if epi == "silu_mul" else n
+        for m in mt["rows"]:
+            x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=g)
+            y32 = (x.float() @ w.float().T)
+            args = [x, w]
+            if epi == "silu_mul":
+                gt, up = y32.bfloat16().float().split(oo, dim=1)
+                ref = torch.nn.functional.silu(gt) * up
+            elif epi == "residual":
+                r = torch.randn((m, n), device="cuda", dtype=torch.bfloat16, generator=g)
+                args.append(r)
+                ref = r.float() + y32.bfloat16().float()
+            else:
+                ref = y32
+            y = torch.full((m, oo), float("nan"), device="cuda", dtype=torch.bfloat16)
+            targs = [tvm.runtime.from_dlpack(a_) for a_ in args + [y]]
+            try:
+                lib[name](*targs)
+                torch.cuda.synchronize()
+                err = float(((y.float() - ref).abs().max() / ref.abs().max()).item())
+                row = {"shape": mt["case"], "m": m, "variant": "wg_default", "rel_err": err}
+                if m >= 2048:
+                    t = timed(lambda: lib[name](*targs), 10)
+                    row.update(tflops=2 * m * n * k / t / 1e12, ms=t * 1e3)
+            except Exception as ex:  # noqa: BLE001
+                row = {"shape": mt["case"], "m": m, "variant": "wg_default", "error": repr(ex)[:300]}
+            res["rows"].append(row)
+            gc.write_result(a.result, res)
     for sname, (n, k) in SHAPES.items():
         w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5
         for m in ROWS:
@@ -111,7 +165,7 @@ def cmd_run(a) -> int:
             y = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
             yt = tvm.runtime.from_dlpack(y)
             for name, mt in meta.items():
-                if mt["shape"] != sname:
+                if mt.get("shape") != sname:
                     continue
                 f = lib[name]
                 try:

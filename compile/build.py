@@ -1,6 +1,7 @@
 """`ninfer compile`: HF model directory -> dist/NAME/ (library, weight shards, manifest)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -102,7 +103,9 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     kv_dtype = kv_dtype or dtype
     if fp4_mma and not fp4_mma_default(target, weight_quant):
         raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
-    with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None):
+    # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
+    arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
+    with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
         model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]

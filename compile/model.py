@@ -345,6 +345,7 @@ class Qwen3xForCausalLM(nn.Module):
         self.weight_quant = weight_quant
         kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
         self._gemv_factory = getattr(kernels, "gemv", None)
+        self._gemm_factory = getattr(kernels, "gemm", None)
         token = _WEIGHT_QUANT.set(weight_quant)
         norm_token = _NORM.set(getattr(kernels, "rms_norm", None))
         try:
@@ -362,6 +363,25 @@ class Qwen3xForCausalLM(nn.Module):
         self.has_mtp = bool(mtp)
         if self.has_mtp:
             self.mtp = MTPHead(cfg, dtype, kernels, kv_hadamard)
+
+    @contextlib.contextmanager
+    def _prefill_gemm(self):
+        """Trace a prefill-rows function: projections through the kernel set's prefill GEMM (the decode GEMV's
+        contract and epilogues; sm_90 only). NVFP4 weights ask for weight_format "nvfp4" (no such GEMM: None)
+        and then "dequantized" (the dense GEMM over the weight dequantized once per call); other targets keep
+        their path."""
+        gemm = self._gemm_factory
+
+        def factory(k, o, dtype, out_dtype, epilogue, weight_format=None):
+            if weight_format not in (None, "dequantized"):
+                return None
+            return gemm(k, o, dtype, out_dtype, epilogue)
+
+        token = _GEMV.set(factory if gemm is not None else None)
+        try:
+            yield
+        finally:
+            _GEMV.reset(token)
 
     @contextlib.contextmanager
     def _decode_gemv(self):
@@ -400,11 +420,12 @@ class Qwen3xForCausalLM(nn.Module):
 
     def prefill(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
                 kv_pool, conv_pool, ssm_pool):
-        x = self.model.embed_tokens(tokens)
-        x, kv_pool, conv_pool, ssm_pool = self._body(
-            x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
-        logits = self._logits(op.take(x, logit_rows, axis=0))
-        return logits, kv_pool, conv_pool, ssm_pool
+        with self._prefill_gemm():
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+            logits = self._logits(op.take(x, logit_rows, axis=0))
+            return logits, kv_pool, conv_pool, ssm_pool
 
     def decode(self, tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
         with self._decode_gemv():
@@ -433,12 +454,13 @@ class Qwen3xForCausalLM(nn.Module):
     def prefill_h(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
                   kv_pool, conv_pool, ssm_pool):
         """prefill, plus the final post-norm hidden state of every row (fp32 [n, D])."""
-        x = self.model.embed_tokens(tokens)
-        x, kv_pool, conv_pool, ssm_pool = self._body(
-            x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
-        hn = self.model.norm(x)
-        logits = self._head(op.take(hn, logit_rows, axis=0))
-        return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+        with self._prefill_gemm():
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+            hn = self.model.norm(x)
+            logits = self._head(op.take(hn, logit_rows, axis=0))
+            return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
 
     def verify(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
         """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row.
@@ -476,9 +498,10 @@ class Qwen3xForCausalLM(nn.Module):
 
     def mtp_prefill(self, hidden, next_tokens, positions, token_seq, page_table, logit_rows, mtp_kv_pool):
         """mtp_step over many rows (prompt fill / accepted rows) with logits + hidden only at logit_rows."""
-        hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
-        hr = op.take(hn, logit_rows, axis=0)
-        return self._head(hr), hr.astype("float32"), mtp_kv_pool
+        with self._prefill_gemm():
+            hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+            hr = op.take(hn, logit_rows, axis=0)
+            return self._head(hr), hr.astype("float32"), mtp_kv_pool
 
     def mtp_step_sl(self, hidden, next_tokens, positions, token_seq, page_table, shortlist, mtp_kv_pool):
         """mtp_step with a shortlisted proposal head: logits [n, m] for the token ids in shortlist."""

@@ -11,7 +11,8 @@ accepts only for the arch-specific sm_120a. So while a build is inside `cuda_bui
 callback is replaced by one that passes `-gencode arch=compute_120a,code=sm_120a` (NVCC_ARCH) and
 the TVM target arch stays "sm_120" (DLight's WMMA rules and our schedule file key on it). The
 library then carries one sm_120a cubin (runs on CC 12.0 only, i.e. RTX 50xx / RTX PRO 6000
-Blackwell; no PTX for JIT). sm_90 builds keep TVM's default (sm_90).
+Blackwell; no PTX for JIT). Likewise cuda:sm_90 compiles for sm_90a (H100 / H200 / GH200 only): the
+prefill GEMM (compile/kernels/cuda/gemm_sm90.py) issues wgmma, which exists only there.
 Set NINFER_CUDA_SOURCE_DIR=dir to keep a copy of every generated CUDA source there
 (`<arch>-<sha256[:12]>.cu`, e.g. to grep for `kind::mxf4nvf4`).
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 _CUDA_ARCHES = {"sm_90", "sm_120"}
 # TVM target arch -> nvcc gencode arch where they differ (the FP4 MMA needs the 'a' variant)
-NVCC_ARCH = {"sm_120": "sm_120a"}
+NVCC_ARCH = {"sm_120": "sm_120a", "sm_90": "sm_90a"}
 SOURCE_DIR_ENV = "NINFER_CUDA_SOURCE_DIR"
 
 # Driver symbols libtvm_runtime_cuda.so imports; every stub fails with CUDA_ERROR_NO_DEVICE.

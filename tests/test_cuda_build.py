@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import sys
@@ -153,9 +154,11 @@ def test_gemv_kernel_set_and_contract():
 
 
 def test_gemv_only_in_decode_functions():
-    """decode / mtp_step / verify (few rows) route projections through gemv on CUDA; every other
-    function and every llvm function is unchanged."""
+    """decode / mtp_step / verify (few rows) route projections through gemv on CUDA, prefill / prefill_h /
+    mtp_prefill through the sm_90 prefill GEMM (same epilogues); every other function, every llvm function
+    and the sm_120 prefill functions are unchanged."""
     import tvm
+    from tvm.target import Target
 
     from ninfer_mlc.compile import tiny_default
     from ninfer_mlc.compile.config import parse_config
@@ -163,10 +166,11 @@ def test_gemv_only_in_decode_functions():
 
     cfg = parse_config(tiny_default.CONFIG)
 
-    def export(kind, gemv=True):
-        m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, mtp=True)
+    def export(kind, gemv=True, arch="sm_90"):
+        with Target({"kind": "cuda", "arch": arch}) if kind == "cuda" else contextlib.nullcontext():
+            m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, mtp=True)
         if not gemv:
-            m._gemv_factory = None
+            m._gemv_factory = m._gemm_factory = None
         return m.export_tvm(spec=m.export_spec())[0]
 
     with_gemv, without = export("cuda"), export("cuda", gemv=False)
@@ -174,12 +178,22 @@ def test_gemv_only_in_decode_functions():
         if not isinstance(f, tvm.relax.Function):
             continue
         calls = set(re.findall(r"call_tir\((?:cls\.)?(gemv\w*)", f.script()))
+        gemm = set(re.findall(r"call_tir\((?:cls\.)?(gemm\w*)", f.script()))
         if gv.name_hint in ("decode", "mtp_step", "verify"):
             assert any("silu_mul" in c for c in calls) and any("residual" in c for c in calls), gv.name_hint
             assert any(c.endswith("_f32") for c in calls), "lm_head with fp32 logits"
-        else:
+            assert not gemm, gv.name_hint
+        elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill"):
             assert not calls, gv.name_hint
+            assert any("silu_mul" in c for c in gemm) and any("residual" in c for c in gemm), gv.name_hint
+            assert any(c.endswith("_f32") for c in gemm), "lm_head with fp32 logits"
+        else:
+            assert not calls and not gemm, gv.name_hint
             tvm.ir.assert_structural_equal(f, without[gv.name_hint], map_free_vars=True)
+    sm120 = export("cuda", arch="sm_120")
+    for gv, f in sm120.functions_items():
+        if isinstance(f, tvm.relax.Function):
+            assert "call_tir(cls.gemm" not in f.script() and "gemm_" not in f.script(), gv.name_hint
     llvm = export("llvm")
     assert not [gv for gv, _ in llvm.functions_items() if "gemv" in gv.name_hint]
 
@@ -285,7 +299,8 @@ def test_attention_cuda_source_on_cpu_emulator():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_attention_kernels_compile_without_spills(tmp_path):
     """27B geometry: the bf16 attend kernel takes the tensor-core path with __launch_bounds__(128, 2);
-    bf16 / fp8 / nvfp4 kernels compile for sm_90 without register spills."""
+    bf16 / fp8 / nvfp4 kernels (the bf16 one with its prefill attend launch: 4 kernels) compile for sm_90
+    without register spills."""
     import subprocess
 
     ks = {f"attn_{kv or 'bf16'}": kernel_set("cuda", kv).paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16)
@@ -297,7 +312,7 @@ def test_attention_kernels_compile_without_spills(tmp_path):
                         "--ptxas-options=-v,--register-usage-level=10", str(tmp_path / "attn.cu"),
                         "-o", str(tmp_path / "attn.cubin")], capture_output=True, text=True, check=True)
     spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    assert len(spills) == 9 and set(spills) == {"0"}, r.stderr
+    assert len(spills) == 10 and set(spills) == {"0"}, r.stderr
 
 
 # ---- NVFP4 decode GEMV (compile/kernels/cuda/gemv.py gemv_nvfp4) ----------------------------------
@@ -331,7 +346,8 @@ def test_gemv_nvfp4_kernel_set_and_contract():
 
 def test_nvfp4_decode_functions_use_gemv():
     """--quant nvfp4 on CUDA: decode / mtp_step run every NVFP4 projection through gemv_nvfp4 (plain,
-    residual and silu_mul fused) and dequantize nothing; every other function is unchanged."""
+    residual and silu_mul fused) and dequantize nothing; prefill / prefill_h / mtp_prefill dequantize each
+    NVFP4 weight once into the sm_90 prefill GEMM (fused epilogues); every other function is unchanged."""
     import tvm
 
     from ninfer_mlc.compile import tiny_default
@@ -343,7 +359,7 @@ def test_nvfp4_decode_functions_use_gemv():
     def export(kind, gemv=True):
         m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, mtp=True, weight_quant="nvfp4")
         if not gemv:
-            m._gemv_factory = None
+            m._gemv_factory = m._gemm_factory = None
         return m.export_tvm(spec=m.export_spec())[0]
 
     with_gemv, without = export("cuda"), export("cuda", gemv=False)
@@ -356,6 +372,10 @@ def test_nvfp4_decode_functions_use_gemv():
             nv = [c for c in calls if c.startswith("gemv_nvfp4")]
             assert any("silu_mul" in c for c in nv) and any("residual" in c for c in nv), (gv.name_hint, nv)
             assert any("silu_mul" not in c and "residual" not in c for c in nv), (gv.name_hint, nv)
+        elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill"):
+            gm = [c for c in calls if c.startswith("gemm_")]
+            assert any("dequant_nvfp4" in c for c in calls) and not [c for c in calls if c.startswith("gemv")]
+            assert any("silu_mul" in c for c in gm) and any("residual" in c for c in gm), (gv.name_hint, gm)
         else:
             assert any("dequant_nvfp4" in c for c in calls), gv.name_hint
             tvm.ir.assert_structural_equal(f, without[gv.name_hint], map_free_vars=True)
@@ -394,3 +414,47 @@ def test_gemv_nvfp4_27b_compiles(tmp_path, arch):
                            capture_output=True, text=True, check=True)
         spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
         assert len(spills) == 2 * len(shapes) and set(spills) == {"0"}, r.stderr
+
+
+# ---- prefill GEMM (compile/kernels/cuda/gemm_sm90.py: cp.async + wgmma, sm_90a) -------------------------
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_gemm_sm90_27b_compiles_without_spills(tmp_path):
+    """The 27B prefill projections (each epilogue, fp32 logits, an odd shape) compile for sm_90a: the wgmma
+    launch keeps its 128 accumulators in registers (no stack, no spills, and ptxas does not serialize the
+    wgmma pipeline), the few-row launch is the decode GEMV's."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.kernels.cuda import gemm_sm90
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    with parse_target("cuda:sm_90").tvm_target():
+        g = kernel_set("cuda").gemm
+    assert g is not None
+    shapes = [(5120, 14336, "none", None), (5120, 34816, "silu_mul", None), (17408, 5120, "residual", None),
+              (5120, 248320, "none", "float32"), (72, 520, "residual", None)]
+    funcs = {}
+    for k, o, ep, odt in shapes:
+        f = g(k, o, "bfloat16", odt, ep)
+        funcs[f.attrs["global_symbol"]] = f
+    tgt = parse_target("cuda:sm_90").tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert src.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == len(shapes)
+    # the host launches the wgmma kernels with their whole ring as dynamic shared memory (TVM sizes it from
+    # the accessed region; a bare address_of(smem[0]) launched with 1 byte: illegal address on the GPU)
+    launch_args = re.findall(r"store i64 (\d+), ptr", ex.mod.inspect_source("ll"))
+    assert launch_args.count(str(gemm_sm90.smem_bytes(256, 4))) == len(shapes), launch_args
+    (tmp_path / "g.cu").write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                        str(tmp_path / "g.cu"), "-o", str(tmp_path / "g.cubin")],
+                       capture_output=True, text=True, check=True)
+    assert "C7514" not in r.stderr and "C7510" not in r.stderr, r.stderr  # wgmma serialization warnings
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
+    assert frames and all(s == "0" for _, s in frames), r.stderr
+    wg = re.findall(r"Function properties for (\w*gemm\w*_kernel_2)\n\s+(\d+) bytes stack frame", r.stderr)
+    assert len(wg) == len(shapes) and all(fr == "0" for _, fr in wg), r.stderr
+    with parse_target("cuda:sm_120").tvm_target():
+        assert kernel_set("cuda").gemm is None  # wgmma is sm_90a only

@@ -344,7 +344,7 @@ def test_fp4_mma_option_checks():
     assert not fp4_mma_default(parse_target("cuda:sm_90"), "nvfp4")
     assert not fp4_mma_default(parse_target("cuda:sm_120"), None)
     assert not fp4_mma_default(parse_target("llvm"), "nvfp4")
-    assert nvcc_arch("sm_120") == "sm_120a" and nvcc_arch("sm_90") == "sm_90"
+    assert nvcc_arch("sm_120") == "sm_120a" and nvcc_arch("sm_90") == "sm_90a"  # wgmma (prefill GEMM)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")

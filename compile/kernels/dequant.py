@@ -120,11 +120,18 @@ class NVFP4Linear(nn.Module):
             return None
         out_dtype = out_dtype or x.dtype
         func = factory(self.in_features, self.out_features, x.dtype, out_dtype, epilogue, weight_format="nvfp4")
-        if func is None:
-            return None
-        args = [x, self.weight, self.weight_scale, self.weight_scale_2] + ([residual] if residual is not None else [])
+        weights = [self.weight, self.weight_scale, self.weight_scale_2]
+        name = "gemv_nvfp4"
+        if func is None:  # the prefill GEMM: one dequantize to the activation dtype, then the dense kernel
+            func = factory(self.in_features, self.out_features, x.dtype, out_dtype, epilogue,
+                           weight_format="dequantized")
+            if func is None:
+                return None
+            weights = [dequantize_nvfp4_weight(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)]
+            name = "gemm_dequantized"
+        args = [x] + weights + ([residual] if residual is not None else [])
         o = self.out_features // 2 if epilogue == "silu_mul" else self.out_features
-        name = "gemv_nvfp4" + ("" if epilogue == "none" else f"_{epilogue}")
+        name += "" if epilogue == "none" else f"_{epilogue}"
         return nn.op.tensor_ir_op(func, name, args, nn.Tensor.placeholder((x.shape[0], o), out_dtype))
 
     def _forward_fp4_mma(self, x: nn.Tensor) -> nn.Tensor:

@@ -37,6 +37,16 @@ Three launches inside the one prim_func (stream order is the barrier between the
      G x QB partial dot products; a transposing butterfly (halve the position set on lane bits 16,
      8, 4, then full xor reduce) leaves lane l with the scores of position l >> (5 - log2 QB) for
      all heads (~G*(QB+1) shuffles per QB positions); P.V shuffles each p from its lane.
+  2'. prefill attend (bf16 / f16 pages of the activation dtype, D % 64 == 0; calls with n >= prefill_min
+     = 64 tokens, a host-side branch; nsplit is then 1): FlashAttention-2 (prefill_source, CUDA source
+     called from a thin launch). Grid (ceil(n G / 64), Hkv) x 128 threads, 99 KB dynamic shared memory
+     (D = 256). A block takes 64 rows R = i G + h (token i, query head h of KV head blockIdx.y; late
+     tiles first), so K/V tiles are shared by the G heads; warp w owns rows 16w..16w+15. Q tile and
+     K/V tiles of 32 positions go to shared memory by cp.async (K/V double-buffered, rows padded by 16
+     bytes: conflict-free ldmatrix); S = Q K^T and O += P V by mma.m16n8k16 (A/B fragments by
+     ldmatrix, V by ldmatrix.trans, P re-packed from the S accumulators), online softmax in base 2 per
+     row, mask: position <= the row's position and row of the pass's sequence. A tile whose rows span
+     several sequences walks each sequence's pages in its own pass (rows of other sequences masked).
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
@@ -54,6 +64,8 @@ and dequantizes each element to fp32 exactly (code x row / block scale). TVM com
 amax by comparing integer bit patterns (subnormals and NaN handled like the llvm kernel).
 """
 from __future__ import annotations
+
+import re
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -73,8 +85,12 @@ def _u32(v):
     return tirx.const(v, "uint32")
 
 
-def _dev_src(body: str) -> str:
-    # the markers let bench/attn_gpu_check.py swap these for its CPU emulation
+def _dev_src(body: str, guard: bool = False) -> str:
+    # the markers let bench/attn_gpu_check.py swap these for its CPU emulation. guard: an include guard
+    # (named after the first function) so that several kernels' sources (prefill_source) may carry it
+    if guard:
+        name = re.search(r"(ninfer_attn_\w+)\(", body).group(1).upper()
+        body = "#ifndef " + name + "_DEFINED\n#define " + name + "_DEFINED\n" + body.strip() + "\n#endif"
     return "\n// NINFER_ATTN_DEV_BEGIN\n" + body.strip() + "\n// NINFER_ATTN_DEV_END\n"
 
 
@@ -193,25 +209,254 @@ def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: 
     return dict(group=group, DL=DL, W=W, NT=32 * W, mode=mode, vec=vec, qb=qb, esize=esize, min_blocks=max(1, 8 // W))
 
 
-def attend_splits(n: int, p: int, n_kv: int, page_size: int, threads: int = 128, target_blocks: int = 264) -> int:
+def attend_splits(n: int, p: int, n_kv: int, page_size: int, threads: int = 128, target_blocks: int = 264,
+                  prefill_min: int | None = None) -> int:
     """Host-side mirror of the kernel's split count (grid z of the attend launch) for n tokens and a
-    page table of width p."""
+    page table of width p (prefill_min: the kernel has the prefill path from that many tokens on: 1 split)."""
+    if prefill_min is not None and n >= prefill_min:
+        return 1
     w = max(1, min(_pow2_floor(threads // 32), 16))
     nk = n * n_kv
     cap = max(p * (page_size // CHUNK) // w, 1)
     return max(1, min(-(-target_blocks // nk), cap))
 
 
+# ---- prefill attend (FlashAttention-2 style, tensor cores) -------------------------------------
+PF_BQ = 64  # rows (token, query head) per block: 4 warps x 16
+PF_BKV = 32  # positions per K/V tile
+PF_NT = 128
+PF_MIN_ROWS = 64  # default: calls with n >= this many tokens take the prefill path
+
+# the prefill source's own mma / pack helpers (TVM keys helper sources by function name: the split path's
+# ninfer_attn_mma_* / ninfer_attn_pack_* stay as they are)
+_PF_HELPERS = {
+    dt: _dev_src(_MMA_SRC[dt][1].split("// NINFER_ATTN_DEV_BEGIN\n")[1].split("\n// NINFER_ATTN_DEV_END")[0]
+                 .replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_"), guard=True)
+    + _dev_src(_PACK_SRC[dt][1].split("// NINFER_ATTN_DEV_BEGIN\n")[1].split("\n// NINFER_ATTN_DEV_END")[0]
+               .replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_"), guard=True)
+    for dt in ("bfloat16", "float16")
+}
+# ldmatrix.x4 (optionally .trans) from a generic shared-memory pointer; cp.async 16 bytes; group commit / wait
+LDSM_SRC = {
+    tr: (f"ninfer_attn_ldsm_x4{'_t' if tr else ''}", _dev_src(f"""
+__forceinline__ __device__ void ninfer_attn_ldsm_x4{'_t' if tr else ''}(unsigned* r, const void* p) {{
+  unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4{'.trans' if tr else ''}.shared.b16 {{%0, %1, %2, %3}}, [%4];\\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}}""", guard=True))
+    for tr in (False, True)
+}
+CP_SRC = _dev_src("""
+__forceinline__ __device__ void ninfer_attn_cp16(void* dst, const void* src) {
+  unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\\n" :: "r"(a), "l"(src));
+}
+__forceinline__ __device__ void ninfer_attn_cp_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
+__forceinline__ __device__ void ninfer_attn_cp_wait0() { asm volatile("cp.async.wait_group 0;\\n" ::: "memory"); }
+__forceinline__ __device__ void ninfer_attn_cp_wait1() { asm volatile("cp.async.wait_group 1;\\n" ::: "memory"); }""", guard=True)
+
+
+def prefill_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
+    """The prefill (FlashAttention-2) attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0."""
+    kv = kv_dtype or dtype
+    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads % n_kv == 0
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    return (PF_BQ + 4 * PF_BKV) * (head_dim * 2 + 16)
+
+
+def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str,
+                   scale2: float) -> str:
+    """CUDA of the prefill attend block (see the module docstring): Q tile of PF_BQ (token, head) rows of
+    KV head blockIdx.y in shared memory, K/V tiles of PF_BKV positions double-buffered by cp.async,
+    S = Q K^T and O += P V by mma.m16n8k16 with ldmatrix fragments, online softmax (base 2) per row,
+    causal / sequence mask per row; one pass over the K/V of every sequence present in the tile."""
+    D, G, HQ, HKV, PS, NL = head_dim, n_heads // n_kv, n_heads, n_kv, page_size, n_layers
+    SROW = D * 2 + 16  # bytes per shared row (16 bytes of padding: conflict-free ldmatrix)
+    mma_fn = _MMA_SRC[dtype][0].replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_")
+    pack_fn = _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_")
+    BQ, BKV, NT = PF_BQ, PF_BKV, PF_NT
+    return f"""
+// NINFER_ATTN_SRC_BEGIN (kept by bench/attn_gpu_check.py's CPU emulation)
+__device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
+    const int* __restrict__ pos, const int* __restrict__ tseq, const int* __restrict__ pt, void* __restrict__ outv,
+    int n, int p, int layer, unsigned char* smem) {{
+  const unsigned short* q = (const unsigned short*)qv;
+  const unsigned short* pool = (const unsigned short*)poolv;
+  unsigned* out = (unsigned*)outv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
+  const int nrows = n * {G};
+  const int ntiles = (nrows + {BQ - 1}) / {BQ};
+  const int r0 = (ntiles - 1 - (int)blockIdx.x) * {BQ};  // late (long-context) tiles first
+  const int kvh = blockIdx.y;
+  const int rend = min(r0 + {BQ}, nrows);
+  const int i_lo = r0 / {G}, i_hi = (rend - 1) / {G};
+  unsigned char* sQ = smem;
+  unsigned char* sK = smem + {BQ * SROW};
+  unsigned char* sV = sK + {2 * BKV * SROW};
+  // Q tile (rows past the end: the last row, never stored)
+  for (int c = tid; c < {BQ * (D // 8)}; c += {NT}) {{
+    const int r = c / {D // 8}, ch = c % {D // 8};
+    const int R = min(r0 + r, nrows - 1);
+    const int i = R / {G}, h = R - i * {G};
+    ninfer_attn_cp16(sQ + r * {SROW} + ch * 16, q + ((long long)i * {HQ} + kvh * {G} + h) * {D} + ch * 8);
+  }}
+  ninfer_attn_cp_commit();
+  // this lane's rows: warp * 16 + gq (+ 8)
+  int rpos[2], rseq[2];
+  bool rok[2];
+  for (int rr = 0; rr < 2; ++rr) {{
+    const int R = r0 + warp * 16 + gq + 8 * rr;
+    rok[rr] = R < nrows;
+    const int i = min(R, nrows - 1) / {G};
+    rpos[rr] = pos[i];
+    rseq[rr] = tseq[i];
+  }}
+  float o[{D // 8}][4];
+#pragma unroll
+  for (int d = 0; d < {D // 8}; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  float m[2] = {{{NEG_BIG:e}f, {NEG_BIG:e}f}}, l[2] = {{0.f, 0.f}};
+  const long long vofs = (long long){HKV * PS * D};
+  for (int it = i_lo; it <= i_hi; ++it) {{
+    // one pass per sequence of the tile (its first token in the tile)
+    const int sq = tseq[it];
+    bool first = true;
+    for (int j = i_lo; j < it; ++j) first = first && tseq[j] != sq;
+    if (!first) continue;
+    int lmax = 0;
+    for (int j = it; j <= i_hi; ++j) if (tseq[j] == sq) lmax = max(lmax, pos[j] + 1);
+    const int* ptr = pt + (long long)sq * p;
+    const int nkv = (lmax + {BKV - 1}) / {BKV};
+    auto load = [&](int t) {{
+      const int t0 = t * {BKV};
+      const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * D};
+      unsigned char* dk = sK + (t & 1) * {BKV * SROW};
+      unsigned char* dv = sV + (t & 1) * {BKV * SROW};
+      for (int c = tid; c < {BKV * (D // 8)}; c += {NT}) {{
+        const int r = c / {D // 8}, ch = c % {D // 8};
+        // positions past the sequence's length: its last row (finite values, masked)
+        const unsigned short* src = pool + base + (long long)(t0 % {PS} + min(r, lmax - 1 - t0)) * {D} + ch * 8;
+        ninfer_attn_cp16(dk + r * {SROW} + ch * 16, src);
+        ninfer_attn_cp16(dv + r * {SROW} + ch * 16, src + vofs);
+      }}
+      ninfer_attn_cp_commit();
+    }};
+    bool act[2];
+    for (int rr = 0; rr < 2; ++rr) act[rr] = rok[rr] && rseq[rr] == sq;
+    load(0);
+    for (int t = 0; t < nkv; ++t) {{
+      if (t + 1 < nkv) {{
+        load(t + 1);
+        ninfer_attn_cp_wait1();
+      }} else {{
+        ninfer_attn_cp_wait0();
+      }}
+      __syncthreads();
+      const unsigned char* kb = sK + (t & 1) * {BKV * SROW};
+      const unsigned char* vb = sV + (t & 1) * {BKV * SROW};
+      // S = Q K^T (16 rows x 32 positions per warp)
+      float s[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < {D // 16}; ++kk) {{
+        unsigned a[4];
+        ninfer_attn_ldsm_x4(a, sQ + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + kk * 32 + (lane >> 4) * 16);
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {{
+          unsigned b[4];
+          ninfer_attn_ldsm_x4(b, kb + (np * 16 + (lane & 7) + (lane >> 4) * 8) * {SROW} + kk * 32 + ((lane >> 3) & 1) * 16);
+          {mma_fn}(s[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
+          {mma_fn}(s[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+        }}
+      }}
+      // online softmax (base 2) of rows gq, gq + 8; mask: position <= the row's, row of this sequence
+      unsigned pa[2][4];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {{
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {{
+            const int kp = t * {BKV} + 8 * j + 2 * tq + e;
+            const float x = (act[rr] && kp <= rpos[rr]) ? s[j][2 * rr + e] * {scale2!r}f : -INFINITY;
+            s[j][2 * rr + e] = x;
+            mx = fmaxf(mx, x);
+          }}
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mn = fmaxf(m[rr], mx);
+        const float al = exp2f(m[rr] - mn);
+        m[rr] = mn;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {{
+            const float pv = exp2f(s[j][2 * rr + e] - mn);
+            s[j][2 * rr + e] = pv;
+            sum += pv;
+          }}
+        l[rr] = l[rr] * al + sum;
+#pragma unroll
+        for (int d = 0; d < {D // 8}; ++d) {{
+          o[d][2 * rr] *= al;
+          o[d][2 * rr + 1] *= al;
+        }}
+      }}
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {{
+        pa[kk][0] = {pack_fn}(s[2 * kk][0], s[2 * kk][1]);
+        pa[kk][1] = {pack_fn}(s[2 * kk][2], s[2 * kk][3]);
+        pa[kk][2] = {pack_fn}(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        pa[kk][3] = {pack_fn}(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      }}
+      // O += P V (V fragments by ldmatrix.trans)
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int dp = 0; dp < {D // 16}; ++dp) {{
+          unsigned b[4];
+          ninfer_attn_ldsm_x4_t(b, vb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + dp * 32 + (lane >> 4) * 16);
+          {mma_fn}(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
+          {mma_fn}(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
+        }}
+      __syncthreads();
+    }}
+  }}
+  ninfer_attn_cp_wait0();
+  // row sums over the quad, normalize, store (columns 8d + 2tq, +1 of rows gq, gq + 8)
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {{
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+    l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    if (rok[rr]) {{
+      const int R = r0 + warp * 16 + gq + 8 * rr;
+      const int i = R / {G}, h = R - i * {G};
+      const float inv = 1.f / l[rr];
+      unsigned* dst = out + (((long long)i * {HQ} + kvh * {G} + h) * {D} + 2 * tq) / 2;
+#pragma unroll
+      for (int d = 0; d < {D // 8}; ++d) dst[4 * d] = {pack_fn}(o[d][2 * rr] * inv, o[d][2 * rr + 1] * inv);
+    }}
+  }}
+}}
+// NINFER_ATTN_SRC_END
+"""
+
+
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
-    mma: bool | None = None,
+    mma: bool | None = None, prefill: bool | None = None, prefill_min: int = PF_MIN_ROWS,
 ):
     """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages, or the quantized
     uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel). threads: block size of
     the attend launch (a power of two number of warps); qb: positions per QK batch of the SIMT path
     (None: chosen from the register budget); mma: use the tensor-core path (None: wherever it
-    applies, i.e. bf16 / f16 pages with the same activation dtype)."""
+    applies, i.e. bf16 / f16 pages with the same activation dtype); prefill: calls with n >= prefill_min
+    tokens take the FlashAttention-2 attend launch (None: wherever prefill_applies)."""
     kv_dt = kv_dtype or dtype
     quant = kv_dt in QUANT_KV_DTYPES
     if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
@@ -276,6 +521,18 @@ def paged_attention(
     CVEC = _pow2_div(DL, 4)  # 16-byte loads of the lane's columns where possible
     APPEND_T = min(D, 256)
     neg_big = NEG_BIG
+    pf_ok = prefill_applies(n_heads, n_kv, head_dim, dtype, kv_dt)
+    PF = bool(prefill) if prefill is not None else pf_ok
+    if PF and not pf_ok:
+        raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16) and head_dim % 64 == 0")
+    PF_MIN = max(1, int(prefill_min))
+    PF_SMEM = prefill_smem_bytes(D)
+    PF_NAME = "ninfer_attn_prefill_" + "_".join(str(x) for x in (n_heads, n_kv, D, PS, n_layers)) + (
+        "_bf16" if dtype == "bfloat16" else "_f16") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
+        "-", "m").replace("+", "")
+    PF_SRC = (_PF_HELPERS.get(dtype, "") + LDSM_SRC[False][1]
+              + LDSM_SRC[True][1] + CP_SRC + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype,
+                                                              float(sm_scale) * LOG2E) if PF else ""))
     scale2 = float(sm_scale) * LOG2E
 
     def load(pool, pg, layer, c, h, slot, d):
@@ -316,7 +573,8 @@ def paged_attention(
         """int32 number of KV splits; n, p are the int64 shape vars."""
         nk = T.Cast("int32", n) * n_kv
         cap = T.max(T.truncdiv(T.Cast("int32", p) * CPP, W), 1)
-        return T.max(1, T.min(T.truncdiv(target_blocks + nk - 1, nk), cap))
+        ns = T.max(1, T.min(T.truncdiv(target_blocks + nk - 1, nk), cap))
+        return T.Select(n >= PF_MIN, 1, ns) if PF else ns  # the prefill path has no splits
 
     def _ws_size(n, p, per):
         ns = T.Cast("int64", _nsplit(n, p))
@@ -326,88 +584,9 @@ def paged_attention(
         """int64 flat index of (token i, q head h, split s) in the workspace (times per-entry size)."""
         return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p)) + T.Cast("int64", s)
 
-    @T.prim_func
-    def attn(
-        var_q: T.handle, var_k: T.handle, var_v: T.handle, var_pos: T.handle, var_tseq: T.handle,
-        var_pt: T.handle, var_pool: T.handle, layer: T.int32, var_out: T.handle,
-    ):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        b = T.int64()
-        p = T.int64()
-        npages = T.int64()
-        q = T.match_buffer(var_q, (n, n_heads, head_dim), dtype)
-        k = T.match_buffer(var_k, (n, n_kv, head_dim), dtype)
-        v = T.match_buffer(var_v, (n, n_kv, head_dim), dtype)
-        pos = T.match_buffer(var_pos, (n,), "int32")
-        tseq = T.match_buffer(var_tseq, (n,), "int32")
-        pt = T.match_buffer(var_pt, (b, p), "int32")
-        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, row_bytes), pool_dt)
-        out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
-        poolv = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBV), VEC), pool_dt, data=pool.data)
-        poolw = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBW), 4), "uint32", data=pool.data)
-        qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
-        outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
-        ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
-        ws_ml = T.alloc_buffer((_ws_size(n, p, 2),), "float32", scope="global")
-        ws_ov = T.decl_buffer((T.max(_ws_size(n, p, D) // CVEC, T.int64(1)), CVEC), "float32", data=ws_o.data)
-        # ---- 1. append this call's K/V ---------------------------------------------------------
-        if quant:
-            # one warp per (token, KV head): lanes 0-31 handle K, then V (c), of one row
-            for i in T.thread_binding(n, thread="blockIdx.x"):
-                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
-                    for ln in T.thread_binding(32, thread="threadIdx.x"):
-                        ab = T.alloc_buffer((1,), "uint32", scope="local")
-                        sfq = T.alloc_buffer((1,), "float32", scope="local")
-                        eb = T.alloc_buffer((1,), "uint32", scope="local")
-                        xs = T.alloc_buffer((max(NVFP4_BLOCK, D // 32),), "float32", scope="local")
-                        for c in range(2):
-                            if nvfp4:
-                                for b0 in range((nblk + 31) // 32):
-                                    if b0 * 32 + ln < nblk:
-                                        ab[0] = T.uint32(0)
-                                        for e in T.unroll(NVFP4_BLOCK):
-                                            xs[e] = src(k, v, c, i, h, (b0 * 32 + ln) * NVFP4_BLOCK + e)
-                                            ab[0] = T.max(ab[0], _abs_bits(xs[e]))
-                                        eb[0] = e4m3_encode_abs(
-                                            _fdiv_rn(T.reinterpret("float32", ab[0]), T.float32(6.0)))
-                                        pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
-                                             half + b0 * 32 + ln] = T.Cast("uint8", eb[0])
-                                        sfq[0] = e4m3_decode_abs(eb[0])
-                                        for j in T.unroll(NVFP4_BLOCK // 2):
-                                            pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
-                                                 (b0 * 32 + ln) * (NVFP4_BLOCK // 2) + j] = T.Cast(
-                                                "uint8",
-                                                _nvfp4_code(xs[2 * j], sfq[0])
-                                                | (_nvfp4_code(xs[2 * j + 1], sfq[0]) << T.uint32(4)))
-                            else:
-                                ab[0] = T.uint32(0)
-                                for e in T.unroll(D // 32):
-                                    xs[e] = src(k, v, c, i, h, e * 32 + ln)
-                                    ab[0] = T.max(ab[0], _abs_bits(xs[e]))
-                                for o in T.unroll(5):
-                                    ab[0] = T.max(ab[0], T.tvm_warp_shuffle_xor(
-                                        T.uint32(0xFFFFFFFF), ab[0], 16 >> o, 32, 32))
-                                eb[0] = _fp8_exponent_bits(ab[0])
-                                # 2^-e as an exact power of two: biased exponent 254 - b
-                                sfq[0] = pow2_from_e8m0(T.uint32(254) - eb[0])
-                                for e in T.unroll(D // 32):
-                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
-                                         e * 32 + ln] = T.Cast("uint8", e4m3_encode(xs[e] * sfq[0]))
-                                if ln < FP8_ROW_PAD:
-                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
-                                         head_dim + ln] = T.Cast("uint8", T.Select(ln == 0, eb[0], T.uint32(0)))
-        else:
-            for i in T.thread_binding(n, thread="blockIdx.x"):
-                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
-                    for tx in T.thread_binding(APPEND_T, thread="threadIdx.x"):
-                        for d0 in range((D + APPEND_T - 1) // APPEND_T):
-                            if d0 * APPEND_T + tx < D:
-                                pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size,
-                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, k[i, h, d0 * APPEND_T + tx])
-                                pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
-                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, v[i, h, d0 * APPEND_T + tx])
-        # ---- 2. attend (split over 32-position chunks) ------------------------------------------
+    @T.macro
+    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov):
+        # the split attend launch (decode, few rows, other page formats) ------------------------------------------
         if MMA:
             # tensor-core path (bf16 / f16 pages of the activation dtype), see the module docstring
             for i in T.thread_binding(n, thread="blockIdx.x"):
@@ -748,6 +927,106 @@ def paged_attention(
                                         if lane == 0:
                                             ws_ml[_ws(i, g * G + h, s, n, p) * 2] = mr[h]
                                             ws_ml[_ws(i, g * G + h, s, n, p) * 2 + 1] = lr[h]
+
+    @T.prim_func
+    def attn(
+        var_q: T.handle, var_k: T.handle, var_v: T.handle, var_pos: T.handle, var_tseq: T.handle,
+        var_pt: T.handle, var_pool: T.handle, layer: T.int32, var_out: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        b = T.int64()
+        p = T.int64()
+        npages = T.int64()
+        q = T.match_buffer(var_q, (n, n_heads, head_dim), dtype)
+        k = T.match_buffer(var_k, (n, n_kv, head_dim), dtype)
+        v = T.match_buffer(var_v, (n, n_kv, head_dim), dtype)
+        pos = T.match_buffer(var_pos, (n,), "int32")
+        tseq = T.match_buffer(var_tseq, (n,), "int32")
+        pt = T.match_buffer(var_pt, (b, p), "int32")
+        pool = T.match_buffer(var_pool, (npages, n_layers, 2, n_kv, page_size, row_bytes), pool_dt)
+        out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
+        poolv = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBV), VEC), pool_dt, data=pool.data)
+        poolw = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBW), 4), "uint32", data=pool.data)
+        qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
+        outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
+        ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
+        ws_ml = T.alloc_buffer((_ws_size(n, p, 2),), "float32", scope="global")
+        ws_ov = T.decl_buffer((T.max(_ws_size(n, p, D) // CVEC, T.int64(1)), CVEC), "float32", data=ws_o.data)
+        # ---- 1. append this call's K/V ---------------------------------------------------------
+        if quant:
+            # one warp per (token, KV head): lanes 0-31 handle K, then V (c), of one row
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for ln in T.thread_binding(32, thread="threadIdx.x"):
+                        ab = T.alloc_buffer((1,), "uint32", scope="local")
+                        sfq = T.alloc_buffer((1,), "float32", scope="local")
+                        eb = T.alloc_buffer((1,), "uint32", scope="local")
+                        xs = T.alloc_buffer((max(NVFP4_BLOCK, D // 32),), "float32", scope="local")
+                        for c in range(2):
+                            if nvfp4:
+                                for b0 in range((nblk + 31) // 32):
+                                    if b0 * 32 + ln < nblk:
+                                        ab[0] = T.uint32(0)
+                                        for e in T.unroll(NVFP4_BLOCK):
+                                            xs[e] = src(k, v, c, i, h, (b0 * 32 + ln) * NVFP4_BLOCK + e)
+                                            ab[0] = T.max(ab[0], _abs_bits(xs[e]))
+                                        eb[0] = e4m3_encode_abs(
+                                            _fdiv_rn(T.reinterpret("float32", ab[0]), T.float32(6.0)))
+                                        pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                             half + b0 * 32 + ln] = T.Cast("uint8", eb[0])
+                                        sfq[0] = e4m3_decode_abs(eb[0])
+                                        for j in T.unroll(NVFP4_BLOCK // 2):
+                                            pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                                 (b0 * 32 + ln) * (NVFP4_BLOCK // 2) + j] = T.Cast(
+                                                "uint8",
+                                                _nvfp4_code(xs[2 * j], sfq[0])
+                                                | (_nvfp4_code(xs[2 * j + 1], sfq[0]) << T.uint32(4)))
+                            else:
+                                ab[0] = T.uint32(0)
+                                for e in T.unroll(D // 32):
+                                    xs[e] = src(k, v, c, i, h, e * 32 + ln)
+                                    ab[0] = T.max(ab[0], _abs_bits(xs[e]))
+                                for o in T.unroll(5):
+                                    ab[0] = T.max(ab[0], T.tvm_warp_shuffle_xor(
+                                        T.uint32(0xFFFFFFFF), ab[0], 16 >> o, 32, 32))
+                                eb[0] = _fp8_exponent_bits(ab[0])
+                                # 2^-e as an exact power of two: biased exponent 254 - b
+                                sfq[0] = pow2_from_e8m0(T.uint32(254) - eb[0])
+                                for e in T.unroll(D // 32):
+                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                         e * 32 + ln] = T.Cast("uint8", e4m3_encode(xs[e] * sfq[0]))
+                                if ln < FP8_ROW_PAD:
+                                    pool[pt[tseq[i], pos[i] // page_size], layer, c, h, pos[i] % page_size,
+                                         head_dim + ln] = T.Cast("uint8", T.Select(ln == 0, eb[0], T.uint32(0)))
+        else:
+            for i in T.thread_binding(n, thread="blockIdx.x"):
+                for h in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for tx in T.thread_binding(APPEND_T, thread="threadIdx.x"):
+                        for d0 in range((D + APPEND_T - 1) // APPEND_T):
+                            if d0 * APPEND_T + tx < D:
+                                pool[pt[tseq[i], pos[i] // page_size], layer, 0, h, pos[i] % page_size,
+                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, k[i, h, d0 * APPEND_T + tx])
+                                pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
+                                     d0 * APPEND_T + tx] = T.Cast(pool_dt, v[i, h, d0 * APPEND_T + tx])
+        # ---- 2. attend ------------------------------------------------------------------------------
+        if PF:
+            if n >= PF_MIN:
+                # prefill: FlashAttention-2 tiles of (token, query head) rows (prefill_source)
+                for bx in T.thread_binding((n * G + PF_BQ - 1) // PF_BQ, thread="blockIdx.x"):
+                    for g in T.thread_binding(n_kv, thread="blockIdx.y"):
+                        for tx in T.thread_binding(PF_NT, thread="threadIdx.x"):
+                            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2):
+                                smem = T.alloc_buffer((PF_SMEM,), "uint8", scope="shared.dyn")
+                                T.evaluate(T.cuda.func_call(
+                                    PF_NAME, T.address_of(q[0, 0, 0]), T.address_of(pool[0, 0, 0, 0, 0, 0]),
+                                    T.address_of(pos[0]), T.address_of(tseq[0]), T.address_of(pt[0, 0]),
+                                    T.address_of(out[0, 0, 0]), T.Cast("int32", n), T.Cast("int32", p), layer,
+                                    smem.data, source_code=PF_SRC))
+            else:
+                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
+        else:
+            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
         # ---- 3. combine split partials -------------------------------------------------------------
         # block (token, q head), CW warps. Every warp reads all (max, sum) pairs (lane-strided,
         # registers), reduces max and denominator with shuffles; warp 0 stores the split weights

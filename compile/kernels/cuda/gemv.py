@@ -286,7 +286,8 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 
 
 # ---------------------------------------------------------------------------------------------
-def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
+def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
+    """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch)."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
     U = unroll
@@ -382,7 +383,23 @@ def _mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps,
         else:
             big(n, xu, wu, res, out)
 
-    return _entry(K, O, OO, dtype, out_dtype, has_res, False, run)
+    return run
+
+
+def _mma_func(K, O, dtype, out_dtype, epilogue, **params):
+    OO = O // 2 if epilogue == "silu_mul" else O
+    return _entry(K, O, OO, dtype, out_dtype, epilogue == "residual", False,
+                  _mma_run(K, O, dtype, out_dtype, epilogue, **params))
+
+
+def mma_run(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, *, unroll: int = 4, min_warps: int = 1,
+            max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, sms: int = 132, **_unused):
+    """The tensor-core GEMV body macro for another prim_func of the same contract, or None where that path
+    does not apply (dtype, K % 8)."""
+    if dtype not in _MMA_TYPES or K % 8 or not supported(K, O, dtype, out_dtype, epilogue):
+        return None
+    return _mma_run(K, O, dtype, out_dtype, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
+                    target_warps=target_warps, big_tiles=big_tiles, sms=sms)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,9 +5,8 @@ Kernel variant parameters (threads per block, split target, GDN chunk and dv til
 per shape, see gemv.mma_warps), the same file the relax pipeline
 (compile/gpu_pipeline.py) reads its DLight choices from (NINFER_SCHEDULE_DIR overrides the folder).
 The arch is the one of the current target scope (`with Target(...)`), else NINFER_CUDA_ARCH, else
-sm_90. compile/build.py constructs the model outside the target scope today, so a build reads the
-sm_90 values unless NINFER_CUDA_ARCH is set; both files therefore hold the same kernel values (what
-differs per arch is only what the DLight section and nvcc do).
+sm_90. compile/build.py constructs the model inside the target scope, so a build reads its own
+arch's file; arch-specific kernels (ARCH_ONLY: the wgmma prefill GEMM) are left out of other arches' sets.
 """
 from __future__ import annotations
 
@@ -17,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn, gdn_decode, norm
+from . import attention, gdn, gdn_decode, gemm_sm90, norm
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -29,7 +28,12 @@ DEFAULT_KERNELS = {
     "rms_norm": {"threads": 256},
     "gemv": {"unroll": 4, "min_warps": 1, "max_warps": 8, "target_warps": 2048, "big_tiles": 4, "fma_warps": 4,
              "sms": 132},
+    # prefill GEMM (gemm_sm90.py, sm_90 only): tile columns, cp.async ring depth, grouped tile order, and
+    # the row count up to which a call runs the decode GEMV's launch instead
+    "gemm": {"bn": 256, "stages": 4, "group_m": 8, "small_rows": 32},
 }
+# kernels that exist for one arch only (wgmma: sm_90a)
+ARCH_ONLY = {"gemm": ("sm_90",)}
 
 
 def current_arch() -> str:
@@ -66,6 +70,7 @@ def kernel_params(arch: str | None = None) -> dict:
 def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNamespace:
     """kv_dtype: KV page dtype (None = activation dtype): float32 / bfloat16 / float16, or the
     quantized fp8 / nvfp4 page rows (same layout and bytes as the llvm kernel)."""
+    arch = arch or current_arch()
     p = kernel_params(arch)
     cp = p["chunked_delta_rule"]
 
@@ -84,4 +89,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
         gdn_decode=gdn_decode.fused_gdn_decode,
+        # gemm(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None: prefill projections
+        # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
+        gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
+        if arch in ARCH_ONLY["gemm"] else None,
     )
