@@ -223,10 +223,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = _linear(cfg.value_dim, cfg.hidden_size, dtype)
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.conv_kernel = kernels.causal_conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, n_gdn, dtype)
-        self.chunk_kernel = kernels.chunked_delta_rule(hk, hv, dk, dv, n_gdn)
+        self.chunk_kernel = kernels.chunked_delta_rule(hk, hv, dk, dv, n_gdn, act_dtype=dtype)
         self.step_kernel = kernels.recurrent_delta_rule(hk, hv, dk, dv, n_gdn)
         fused = getattr(kernels, "gdn_decode", None)
         self.decode_kernel = fused(hk, hv, dk, dv, n_gdn, dtype, cfg.rms_norm_eps) if fused else None
+        prep, gated = getattr(kernels, "gdn_prep", None), getattr(kernels, "gdn_gated_norm", None)
+        self.prep_kernel = prep(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, n_gdn, dtype) if prep else None
+        self.gated_norm_kernel = gated(hk, hv, dk, dv, dtype, cfg.rms_norm_eps) if gated else None
 
     def _l2norm(self, x):
         ss = op.sum(x * x, axis=[-1], keepdims=True)
@@ -238,15 +241,20 @@ class GatedDeltaNet(nn.Module):
         n = x.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        qkv, z = op.split(self.in_proj_qkv_z(x), [cfg.conv_dim], axis=1)
-        z = op.reshape(z, (n, hv, dv))
+        qkvz = self.in_proj_qkv_z(x)
         ba = self.in_proj_ba(x)
+        fused_prefill = not recurrent and self.prep_kernel is not None and self.gated_norm_kernel is not None
+        if not fused_prefill:
+            qkv, z = op.split(qkvz, [cfg.conv_dim], axis=1)
+            z = op.reshape(z, (n, hv, dv))
         if recurrent and self.decode_kernel is not None:
             return self._fused_decode(qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual)
         b, a = op.split(ba, 2, axis=1)
         beta = op.sigmoid(b).astype("float32")
         a = a.astype("float32")
         g = op.negative(op.exp(self.A_log)) * op.softplus(a + self.dt_bias)
+        if fused_prefill:
+            return self._fused_prefill(qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual)
         conv_pool, u = op.tensor_ir_inplace_op(
             self.conv_kernel, "gdn_conv",
             [qkv, cu_seqlens, slot_ids, conv_pool, self.conv1d.weight, _i32(self.slot)],
@@ -272,6 +280,28 @@ class GatedDeltaNet(nn.Module):
         o = op.rms_norm(o, self.norm.weight, axes=[-1], epsilon=cfg.rms_norm_eps).astype(self.dtype)
         o = (o.astype("float32") * op.silu(z.astype("float32"))).astype(self.dtype)
         return _project(self.out_proj, op.reshape(o, (n, cfg.value_dim)), residual), conv_pool, ssm_pool
+
+    def _fused_prefill(self, qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual):
+        """Prefill (CUDA): conv + q/k/v split + L2 norms in one launch, the chunked delta rule, then the
+        gated RMSNorm reading z in place from the projection (no split copies)."""
+        cfg = self.cfg
+        n = qkvz.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        conv_pool, q, k, v = op.tensor_ir_inplace_op(
+            self.prep_kernel, "gdn_prep",
+            [qkvz, cu_seqlens, slot_ids, conv_pool, self.conv1d.weight, _i32(self.slot)], [3, -1, -1, -1],
+            [conv_pool, nn.Tensor.placeholder((n, hk, dk), "float32"), nn.Tensor.placeholder((n, hk, dk), "float32"),
+             nn.Tensor.placeholder((n, hv, dv), "float32")],
+        )
+        ssm_pool, o = op.tensor_ir_inplace_op(
+            self.chunk_kernel, "gdn_chunk",
+            [q, k, v, g, beta, cu_seqlens, slot_ids, ssm_pool, _i32(self.slot)], [7, -1],
+            [ssm_pool, nn.Tensor.placeholder((n, hv, dv), "float32")],
+        )
+        o = op.tensor_ir_op(self.gated_norm_kernel, "gdn_gated_norm", [o, qkvz, self.norm.weight],
+                            nn.Tensor.placeholder((n, cfg.value_dim), self.dtype))
+        return _project(self.out_proj, o, residual), conv_pool, ssm_pool
 
     def _fused_decode(self, qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual):
         """Decode: conv, then gates + L2 norms + recurrent step + gated RMSNorm in one launch."""

@@ -225,17 +225,21 @@ def test_gdn_chunk_layout():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")
-@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
-def test_gdn_chunk_27b_compiles(tmp_path, arch):
-    """Both launches of the 27B gdn_chunk compile to a fatbin; on sm_90 ptxas reports no spills and
-    static shared memory within 48 KiB."""
+@pytest.mark.parametrize("arch,kw", [("sm_90", {}), ("sm_90", dict(mma_tile=16, tf32x3=False)), ("sm_120", {})],
+                         ids=["sm_90", "sm_90-tile16-tf32", "sm_120"])
+def test_gdn_chunk_27b_compiles(tmp_path, arch, kw):
+    """Both launches of the 27B gdn_chunk (tensor-core path: mma.sync tf32) compile to a fatbin; on sm_90
+    ptxas reports no spills and static shared memory within 48 KiB, also for the other value tile and
+    the single-tf32 products."""
     import subprocess
 
     import tvm
 
+    from ninfer_mlc.compile.kernels.cuda import gdn
     from ninfer_mlc.compile.targets import cuda_build_env, parse_target
 
-    f = kernel_set("cuda").chunked_delta_rule(16, 48, 128, 128, 48).with_attr("global_symbol", "gdn_chunk")
+    f = (gdn.chunked_delta_rule(16, 48, 128, 128, 48, **kw) if kw else
+         kernel_set("cuda").chunked_delta_rule(16, 48, 128, 128, 48)).with_attr("global_symbol", "gdn_chunk")
     tgt = parse_target("cuda:" + arch).tvm_target()
     with cuda_build_env(tgt):
         ex = tvm.compile(tvm.IRModule({"gdn_chunk": f}), target=tgt)
@@ -243,6 +247,7 @@ def test_gdn_chunk_27b_compiles(tmp_path, arch):
     assert FATBIN_MAGIC in (tmp_path / "gdn.so").read_bytes()
     src = ex.mod.imports[0].inspect_source("cuda")
     assert re.findall(r'__global__ void __launch_bounds__\((\d+)\) gdn_chunk_kernel\w*\(', src)[:2] == ["256", "128"]
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in src
     if arch == "sm_90":
         (tmp_path / "gdn.cu").write_text(src)
         r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "-Xptxas", "-v",

@@ -11,6 +11,12 @@ from types import SimpleNamespace
 from . import attention, gdn
 
 
+def _chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = gdn.CHUNK,
+                        act_dtype: str | None = None):
+    """The portable kernel (fp32 throughout; act_dtype only matters to the CUDA set's precision choice)."""
+    return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk)
+
+
 def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> SimpleNamespace:
     if target_kind == "cuda":
         from .cuda import registry as cuda_registry
@@ -22,9 +28,11 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
     return SimpleNamespace(
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype),
         causal_conv=gdn.causal_conv,
-        chunked_delta_rule=gdn.chunked_delta_rule,
+        chunked_delta_rule=_chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
         gemv=None,  # decode projections stay relax matmuls (CUDA: kernels/cuda/gemv.py)
         rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
+        gdn_prep=None,  # relax split / cast / L2 norm around the prefill conv (CUDA: kernels/cuda/gdn_prep.py)
+        gdn_gated_norm=None,
     )

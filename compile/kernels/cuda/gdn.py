@@ -31,6 +31,28 @@ V_new = U - W S, O = e^g Q S + M V_new, S <- e^(g_last) S + (K e^(g_last-g))^T V
      e^g Q.S in shared; stage K into W's buffer while O = e^g Q S + M V_new is written (coalesced over
      columns); state update from K and V_new. Four barriers per chunk, ~43 KB shared, no spills.
   Row b's state is read at its first chunk and written after its last (rows of length 0 keep it).
+Tensor-core variant (`mma`, default wherever it applies: chunk 32, dk % 64 == 0, the value tile
+`mma_tile` a multiple of 8; the SIMT launches above stay for other geometries and mma=False):
+  products on mma.sync.m16n8k8 tf32 with fp32 accumulation; tf32x3 (this function's default) splits each
+  operand into tf32 big + small parts and issues As Bb + Ab Bs + Ab Bb (three mma, ~fp32 accuracy: 5e-7
+  relative vs the llvm kernel in emulation, like the SIMT kernel); tf32x3=False issues one (~5e-4 vs
+  float64, far below bf16 rounding). The kernel set (registry "tf32x3": "auto") uses three for fp32
+  models and one for bf16 / f16 models: 1.62 vs 2.46 ms per layer at 8192 tokens on the H200.
+  1. 256 threads (8 warps). A and M from [K; Q] K^T: warp w computes row tile w // 2 (K 0-15, K 16-31,
+     Q 0-15, Q 16-31) x column tiles 2 (w % 2), +1 (16 k steps over dk; tiles above the diagonal
+     skipped), decays / masks applied on the fragments; A goes to shared through opaque stores and an
+     opaque barrier (TVM's sync planner cannot tell the warps' tiles apart), M to scratch. Forward
+     substitution as above with float4 reads of A's rows (stride C + 4). K, Q rows padded to dk + 4
+     (conflict-free fragment reads).
+  2. grid (b, Hv, dv / mma_tile) x 128 threads (4 warps), chunks in order; the state tile S (dk x
+     mma_tile) lives in registers as mma accumulators: warp w owns state rows 32w.. (dk = 128).
+     Per chunk: warps 0, 1 compute W S for chunk rows 0-15 / 16-31 and warps 2, 3 Q S (A fragments
+     straight from global memory as float4: the k index of a pair of k steps is permuted so that one
+     lane's 4 consecutive floats feed both; B fragments from S^T in shared, rows padded to dk + 16);
+     V_new = U - W S goes to shared (transposed, rows padded to C + 16); the A fragments of the next
+     chunk are prefetched into the same registers; barrier; warps 2, 3: O = e^g Q S + M V_new (M rows
+     from scratch) -> o; all: S = e^(g_last) S + (K e^(g_last - g))^T V_new (K^T fragments straight
+     from global) and S^T -> shared; barrier. Two barriers per chunk, ~25 KB shared at tile 32.
 """
 from __future__ import annotations
 
@@ -40,12 +62,15 @@ CHUNK = 32
 STATE_TILE = 16  # value columns per block of the sequential pass
 STATE_EPT = 16  # state rows per thread of the sequential pass
 SMEM_LIMIT = 48 * 1024  # static shared memory per block
+MMA_THREADS = (256, 128)  # threads of the two launches of the tensor-core variant
+MMA_TILE = 32  # value columns per block of the tensor-core sequential pass
 
 
 def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, threads: int = 256):
     taps = kernel - 1
     CT = min(threads, ((conv_dim + 31) // 32) * 32)
     NCB = (conv_dim + CT - 1) // CT
+    store_tails = conv_tails(conv_dim, kernel, dtype, threads)
 
     @T.prim_func
     def conv(
@@ -85,6 +110,21 @@ def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, thread
                                                     t - T.Cast("int64", cu[rowv[0]]) + j])
                         out[t, cb * CT + tx] = T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0])))
         # (2) new tails = last K-1 entries of [old tail | row inputs]
+        store_tails(b, cu, slot, pool, x, layer)
+
+    return conv
+
+
+def conv_tails(conv_dim: int, kernel: int, dtype: str, threads: int = 256):
+    """Macro store_tails(b, cu, slot, pool, x, layer): the launch that stores each row's new conv tail (the
+    last K-1 entries of [old tail | the row's inputs x[:, :conv_dim]]), thread per (row, channel), read into
+    registers before written; after every output has read the old tail (stream order)."""
+    taps = kernel - 1
+    CT = min(threads, ((conv_dim + 31) // 32) * 32)
+    NCB = (conv_dim + CT - 1) // CT
+
+    @T.macro
+    def store_tails(b, cu, slot, pool, x, layer):
         for bi in T.thread_binding(b, thread="blockIdx.x"):
             for cb in T.thread_binding(NCB, thread="blockIdx.y"):
                 for tx in T.thread_binding(CT, thread="threadIdx.x"):
@@ -98,7 +138,7 @@ def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, thread
                         for m in T.unroll(taps):
                             pool[slot[bi], layer, cb * CT + tx, m] = tail[m]
 
-    return conv
+    return store_tails
 
 
 def recurrent_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
@@ -183,26 +223,119 @@ def _chunk_layout(dk: int, dv: int, chunk: int, state_tile: int, ept: int):
     return C, EPT, G, DVT, NT1
 
 
+def mma_applies(dk: int, dv: int, chunk: int = CHUNK, mma_tile: int = MMA_TILE) -> bool:
+    """The tensor-core sequential pass: 4 warps, chunk 32 (the four 16-row tiles of [W; Q]), dk a
+    multiple of 64 (the state rows split over the 4 warps in 16-row tiles), value tile a multiple of 8."""
+    C, DVT = _mma_layout(dk, dv, chunk, mma_tile)
+    return C == 32 and dk % 64 == 0 and DVT % 8 == 0
+
+
+def _mma_layout(dk: int, dv: int, chunk: int, state_tile: int):
+    """(C, DVT) of the tensor-core variant: the chunk only has to fit the parallel pass (the sequential
+    pass keeps its operands in registers: ~24 KB of shared memory at a 32-column tile)."""
+    C, _, _, _, _ = _chunk_layout(dk, dv, chunk, 1, 4)
+    DVT = max(1, min(state_tile, dv))
+    while dv % DVT:
+        DVT -= 1
+    return C, DVT
+
+
+def _mma_src(split: bool):
+    """D[16x8] += A[16x8] B[8x8] (mma.sync m16n8k8 tf32, fp32 accumulate) from fp32 fragments; split:
+    3xTF32 (a = big + small, D += As Bb + Ab Bs + Ab Bb): about fp32 accuracy at three mma."""
+    name = "ninfer_gdn_mma_tf32x3" if split else "ninfer_gdn_mma_tf32"
+    mma = ('  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "\n'
+           '               "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\\n"\n'
+           '               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])\n'
+           '               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]));\n')
+    body = [f"__forceinline__ __device__ void {name}(float* c, float a0, float a1, float a2, float a3, float b0, "
+            "float b1) {",
+            "  float af[4] = {a0, a1, a2, a3}, bf[2] = {b0, b1};",
+            "  unsigned ab[4], as[4], bb[2], bs[2];",
+            "  for (int i = 0; i < 4; ++i) {",
+            '    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(ab[i]) : "f"(af[i]));',
+            '    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(as[i]) : "f"(af[i] - __uint_as_float(ab[i])));',
+            "  }",
+            "  for (int i = 0; i < 2; ++i) {",
+            '    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bb[i]) : "f"(bf[i]));',
+            '    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bs[i]) : "f"(bf[i] - __uint_as_float(bb[i])));',
+            "  }"]
+    if split:
+        body += ["  { const unsigned* A = as; const unsigned* B = bb;", mma + "  }",
+                 "  { const unsigned* A = ab; const unsigned* B = bs;", mma + "  }"]
+    body += ["  { const unsigned* A = ab; const unsigned* B = bb;", mma + "  }", "}"]
+    return name, "\n" + "\n".join(body) + "\n"
+
+
 def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = CHUNK,
-                       *, dv_tile: int | None = None, state_tile: int = STATE_TILE, ept: int = STATE_EPT):
+                       *, dv_tile: int | None = None, state_tile: int = STATE_TILE, ept: int = STATE_EPT,
+                       mma: bool | None = None, mma_tile: int = MMA_TILE, tf32x3: bool = True, passes: int = 3):
     """Chunked prefill, two launches (see the module docstring).
 
     chunk: tokens per chunk (rounded down to a power of two, lowered until the static shared memory
     of both launches fits 48 KiB; 32 for dk=128). state_tile: value columns per block of the
     sequential pass. ept: state rows (of dk) each thread of that pass keeps in registers.
     dv_tile: the previous kernel's tile knob, accepted for the registry and ignored.
+    mma: tensor-core launches (None: wherever mma_applies; False: the SIMT launches). mma_tile: value
+    columns per block of the tensor-core sequential pass (32: 192 blocks of 128 threads for Hv 48, at
+    255 registers two per SM, i.e. one wave on 132 SMs; 16: 384 blocks, 213 registers). tf32x3: three
+    tf32 mma per product (big/small split, ~fp32 accuracy) instead of one (~5e-4 relative error).
+    state_tile / ept only shape the SIMT launches. passes: timing breakdowns only (1: the parallel
+    launch does its work, the sequential one only reads and writes the state back; 2: the parallel
+    launch's blocks exit at once and the sequential one runs on whatever the scratch holds); 3 = the
+    kernel.
     """
     del dv_tile
+    P1, P2 = passes & 1, passes >> 1 & 1  # 0: that launch's blocks exit at once (timing breakdowns)
     r = hv // hk
     C, EPT, G, DVT, NT1 = _chunk_layout(dk, dv, chunk, state_tile, ept)
+    MMA = mma_applies(dk, dv, chunk, mma_tile) if mma is None else bool(mma)
+    if MMA and not mma_applies(dk, dv, chunk, mma_tile):
+        raise ValueError(f"tensor-core GDN passes need chunk 32, dk % 64 == 0, mma_tile % 8 == 0 "
+                         f"(got C={C}, dk={dk}, tile={DVT})")
+    if MMA:
+        C, DVT = _mma_layout(dk, dv, chunk, mma_tile)
+    MMA_FN, MMA_SRC = _mma_src(tf32x3)
+    ST_FN, ST_SRC = "ninfer_gdn_st", "\n__forceinline__ __device__ void ninfer_gdn_st(float* p, float v) { *p = v; }\n"
+    BAR_FN, BAR_SRC = "ninfer_gdn_bar", "\n__forceinline__ __device__ void ninfer_gdn_bar() { __syncthreads(); }\n"
+    NTM = MMA_THREADS[1]  # threads of the tensor-core sequential pass (4 warps)
+    MT = max(1, dk // 64)  # 16-row state tiles per warp
+    NNT = DVT // 8 if DVT % 8 == 0 else 1  # 8-column n tiles
+    KP = dk // 16  # float4 pairs of k steps over dk
+    CP2 = C // 16 if C >= 16 else 1  # ... over the chunk
+    SSS = dk + 16  # S^T row stride: the float4 B-fragment reads of a quarter warp hit 32 distinct banks
+    SVS = C + 16  # V_new^T row stride (same reason)
+
+    def srow(tx, mt, rr):  # state row of C-fragment register rr of m tile mt
+        return (tx // 32 * MT + mt) * 16 + tx % 32 // 4 + 8 * (rr // 2)
+
+    def scol(tx, nt, rr):  # column (in the tile) of C-fragment register rr of n tile nt
+        return nt * 8 + tx % 4 * 2 + rr % 2
+
+    def arow(tx, hf):  # chunk row of the warp's 16-row tile of [W; Q] (hf: + 8)
+        return tx // 32 % 2 * 16 + tx % 32 // 4 + 8 * hf
+
     NDT = dv // DVT
     NT = DVT * G  # threads of the sequential pass
     NV4 = EPT // 4  # float4 per thread segment
     RV4 = dk // 4  # float4 per staged row
     SWD = max(1, 8 // NV4)
     LOG2G = G.bit_length() - 1
-    DKP = dk + 1  # pass-1 rows: scalar column reads hit distinct banks
+    DKP = dk + 4 if MMA else dk + 1  # pass-1 rows: (mma fragment / scalar column) reads hit distinct banks
     CP = C + 1
+    CPA = C + 4 if MMA else CP  # pass-1 rows of A (float4 reads in the forward substitution)
+    if MMA:
+        NT1 = MMA_THREADS[0]  # 8 warps: the 16 tiles of [K; Q] K^T, two per warp
+
+    def kqrow(ks, qs, tx, hf, e):  # A fragment of [K; Q] for warp tx // 32: row (w // 2 % 2) 16 + gid + 8 hf
+        return T.if_then_else(tx // 64 < 2, ks[(tx // 64 % 2 * 16 + tx % 32 // 4 + 8 * hf) * DKP + e],
+                              qs[(tx // 64 % 2 * 16 + tx % 32 // 4 + 8 * hf) * DKP + e])
+
+    def tri(tx, rr, which):  # (chunk row, chunk column - 8 nn) of C-fragment register rr
+        if which == 0:
+            return tx // 64 % 2 * 16 + tx % 32 // 4 + 8 * (rr // 2)
+        return tx // 32 % 2 * 16 + tx % 4 * 2 + rr % 2
+
     HB = C // 2
     NTRI = HB * (HB + 1) // 2  # 2x2 blocks of the lower triangle (incl. diagonal)
     mask = 0xFFFFFFFF if NT >= 32 else (1 << NT) - 1
@@ -248,13 +381,14 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
                 for tx in T.thread_binding(NT1, thread="threadIdx.x"):
                     ks = T.alloc_buffer((C * DKP,), "float32", scope="shared")
                     qs = T.alloc_buffer((C * DKP,), "float32", scope="shared")
-                    am = T.alloc_buffer((C * CP,), "float32", scope="shared")
+                    am = T.alloc_buffer((C * CPA,), "float32", scope="shared")
                     graw = T.alloc_buffer((C,), "float32", scope="shared")
                     gam = T.alloc_buffer((C,), "float32", scope="shared")
                     egm = T.alloc_buffer((C,), "float32", scope="shared")
                     bet = T.alloc_buffer((C,), "float32", scope="shared")
                     loc = T.alloc_buffer((4,), "int32", scope="local")
                     dots = T.alloc_buffer((8,), "float32", scope="local")
+                    kqa = T.alloc_buffer((8,), "float32", scope="local")
                     xs = T.alloc_buffer((C,), "float32", scope="local")
                     acc = T.alloc_buffer((1,), "float32", scope="local")
                     # which row / chunk this block is: scan the rows' chunk counts
@@ -269,7 +403,7 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
                         loc[0] = loc[0] + (cu[rw + 1] - cu[rw] + (C - 1)) // C
                     c0 = loc[1]
                     ln = loc[2]
-                    if ln > 0:
+                    if ln * P1 > 0:
                         for m in range((C + NT1 - 1) // NT1):
                             if m * NT1 + tx < C:
                                 graw[m * NT1 + tx] = T.if_then_else(
@@ -296,48 +430,87 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
                                 if m * NT1 + tx < ln:
                                     gsc[i64(c0 + m * NT1 + tx) * hv + h] = acc[0]
                         T.tvm_storage_sync("shared")
-                        # A (strictly lower, shared) and M (lower incl. diagonal, scratch): 2x2 blocks
-                        for m in range((NTRI + NT1 - 1) // NT1):
-                            if m * NT1 + tx < NTRI:
-                                loc[3] = 0
-                                for bq in range(1, HB):
-                                    if bq * (bq + 1) // 2 <= m * NT1 + tx:
-                                        loc[3] = bq
+                        if MMA:
+                            # A and M on tensor cores: [K; Q] K^T in 16 x 8 tiles; warp w: row tile w // 2
+                            # (K 0-15, K 16-31, Q 0-15, Q 16-31), column tiles 2 (w % 2) + 0, 1 (tiles
+                            # above the diagonal skipped: warps 1 and 5 idle)
+                            if tx // 32 // 2 % 2 == 1 or tx // 32 % 2 == 0:
                                 for u in T.unroll(8):
-                                    dots[u] = T.float32(0)
-                                for e in range(dk):
-                                    dots[0] = dots[0] + ks[2 * loc[3] * DKP + e] * ks[
-                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
-                                    dots[1] = dots[1] + ks[2 * loc[3] * DKP + e] * ks[
-                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
-                                    dots[2] = dots[2] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
-                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
-                                    dots[3] = dots[3] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
-                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
-                                    dots[4] = dots[4] + qs[2 * loc[3] * DKP + e] * ks[
-                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
-                                    dots[5] = dots[5] + qs[2 * loc[3] * DKP + e] * ks[
-                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
-                                    dots[6] = dots[6] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
-                                        2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
-                                    dots[7] = dots[7] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
-                                        (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
-                                for ii in T.unroll(2):
-                                    for jj in T.unroll(2):
-                                        # i = 2 bi + ii, j = 2 bj + jj
-                                        am[(2 * loc[3] + ii) * CP + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.Select(
-                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj < 2 * loc[3] + ii,
-                                            bet[2 * loc[3] + ii] * T.exp(T.min(
-                                                gam[2 * loc[3] + ii] - gam[2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj],
-                                                T.float32(0))) * dots[ii * 2 + jj],
-                                            T.float32(0))
-                                        if 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj <= 2 * loc[3] + ii:
-                                            if 2 * loc[3] + ii < ln:
-                                                mq[(i64(c0 + 2 * loc[3] + ii) * hv + h) * C
-                                                   + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.exp(T.min(
+                                    kqa[u] = T.float32(0)
+                                for ks8 in T.unroll(dk // 8):
+                                    for nn in T.unroll(2):
+                                        T.evaluate(T.cuda.func_call(
+                                            MMA_FN, T.address_of(kqa[nn * 4]),
+                                            kqrow(ks, qs, tx, 0, ks8 * 8 + tx % 4),
+                                            kqrow(ks, qs, tx, 1, ks8 * 8 + tx % 4),
+                                            kqrow(ks, qs, tx, 0, ks8 * 8 + tx % 4 + 4),
+                                            kqrow(ks, qs, tx, 1, ks8 * 8 + tx % 4 + 4),
+                                            ks[((tx // 32 % 2 * 2 + nn) * 8 + tx % 32 // 4) * DKP + ks8 * 8 + tx % 4],
+                                            ks[((tx // 32 % 2 * 2 + nn) * 8 + tx % 32 // 4) * DKP + ks8 * 8 + tx % 4 + 4],
+                                            source_code=MMA_SRC))
+                                for nn in T.unroll(2):
+                                    for rr in T.unroll(4):
+                                        if tx // 64 < 2:
+                                            T.evaluate(T.cuda.func_call(
+                                                ST_FN, T.address_of(am[tri(tx, rr, 0) * CPA + tri(tx, rr, 1) + nn * 8]), T.Select(
+                                                    tri(tx, rr, 1) + nn * 8 < tri(tx, rr, 0),
+                                                    bet[tri(tx, rr, 0)] * T.exp(T.min(
+                                                        gam[tri(tx, rr, 0)] - gam[tri(tx, rr, 1) + nn * 8], T.float32(0)))
+                                                    * kqa[nn * 4 + rr],
+                                                    T.float32(0)), source_code=ST_SRC))
+                                        else:
+                                            if tri(tx, rr, 1) + nn * 8 <= tri(tx, rr, 0):
+                                                if tri(tx, rr, 0) < ln:
+                                                    mq[(i64(c0 + tri(tx, rr, 0)) * hv + h) * C + tri(tx, rr, 1) + nn * 8] = T.exp(
+                                                        T.min(gam[tri(tx, rr, 0)] - gam[tri(tx, rr, 1) + nn * 8], T.float32(0))
+                                                    ) * kqa[nn * 4 + rr]
+                            # A is written by opaque stores and read after an opaque barrier: TVM's sync
+                            # planner cannot tell the warps' tiles apart (it asks for a barrier inside the
+                            # warp branch) and drops a plain barrier it sees no shared write before
+                            T.evaluate(T.cuda.func_call(BAR_FN, source_code=BAR_SRC))
+                        else:
+                            # A (strictly lower, shared) and M (lower incl. diagonal, scratch): 2x2 blocks
+                            for m in range((NTRI + NT1 - 1) // NT1):
+                                if m * NT1 + tx < NTRI:
+                                    loc[3] = 0
+                                    for bq in range(1, HB):
+                                        if bq * (bq + 1) // 2 <= m * NT1 + tx:
+                                            loc[3] = bq
+                                    for u in T.unroll(8):
+                                        dots[u] = T.float32(0)
+                                    for e in range(dk):
+                                        dots[0] = dots[0] + ks[2 * loc[3] * DKP + e] * ks[
+                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                        dots[1] = dots[1] + ks[2 * loc[3] * DKP + e] * ks[
+                                            (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                        dots[2] = dots[2] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
+                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                        dots[3] = dots[3] + ks[(2 * loc[3] + 1) * DKP + e] * ks[
+                                            (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                        dots[4] = dots[4] + qs[2 * loc[3] * DKP + e] * ks[
+                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                        dots[5] = dots[5] + qs[2 * loc[3] * DKP + e] * ks[
+                                            (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                        dots[6] = dots[6] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
+                                            2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) * DKP + e]
+                                        dots[7] = dots[7] + qs[(2 * loc[3] + 1) * DKP + e] * ks[
+                                            (2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + 1) * DKP + e]
+                                    for ii in T.unroll(2):
+                                        for jj in T.unroll(2):
+                                            # i = 2 bi + ii, j = 2 bj + jj
+                                            am[(2 * loc[3] + ii) * CP + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.Select(
+                                                2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj < 2 * loc[3] + ii,
+                                                bet[2 * loc[3] + ii] * T.exp(T.min(
                                                     gam[2 * loc[3] + ii] - gam[2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj],
-                                                    T.float32(0))) * dots[4 + ii * 2 + jj]
-                        T.tvm_storage_sync("shared")
+                                                    T.float32(0))) * dots[ii * 2 + jj],
+                                                T.float32(0))
+                                            if 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj <= 2 * loc[3] + ii:
+                                                if 2 * loc[3] + ii < ln:
+                                                    mq[(i64(c0 + 2 * loc[3] + ii) * hv + h) * C
+                                                       + 2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj] = T.exp(T.min(
+                                                        gam[2 * loc[3] + ii] - gam[2 * (m * NT1 + tx - loc[3] * (loc[3] + 1) // 2) + jj],
+                                                        T.float32(0))) * dots[4 + ii * 2 + jj]
+                            T.tvm_storage_sync("shared")
                         # U = (I+A)^-1 beta V (into o), W = (I+A)^-1 beta e^gamma K (into wsc): one
                         # column per thread, forward substitution in registers
                         for m in range((dv + dk + NT1 - 1) // NT1):
@@ -349,10 +522,20 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
                                 else:
                                     for i in T.unroll(C):
                                         xs[i] = bet[i] * egm[i] * ks[i * DKP + m * NT1 + tx - dv]
-                                for i in T.unroll(C):
-                                    for j in T.unroll(C):
-                                        if j < i:
-                                            xs[i] = xs[i] - am[i * CP + j] * xs[j]
+                                if MMA:
+                                    for i in T.unroll(C):
+                                        for j4 in T.unroll(C // 4):
+                                            if j4 * 4 < i:
+                                                for u in T.vectorized(4):
+                                                    dots[4 + u] = am[i * CPA + j4 * 4 + u]
+                                                for u in T.unroll(4):
+                                                    if j4 * 4 + u < i:
+                                                        xs[i] = xs[i] - dots[4 + u] * xs[j4 * 4 + u]
+                                else:
+                                    for i in T.unroll(C):
+                                        for j in T.unroll(C):
+                                            if j < i:
+                                                xs[i] = xs[i] - am[i * CP + j] * xs[j]
                                 if m * NT1 + tx < dv:
                                     for i in T.unroll(C):
                                         if i < ln:
@@ -361,117 +544,277 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
                                     for i in T.unroll(C):
                                         if i < ln:
                                             wsc[(i64(c0 + i) * hv + h) * dk + (m * NT1 + tx - dv)] = xs[i]
-        # ---- 2. per (row, value head, dv tile): chunks in order, state in registers ------------
-        for bi in T.thread_binding(b, thread="blockIdx.x"):
-            for h in T.thread_binding(hv, thread="blockIdx.y"):
-                for dt in T.thread_binding(NDT, thread="blockIdx.z"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        wk = T.alloc_buffer((C * dk,), "float32", scope="shared")  # W, then K
-                        qs = T.alloc_buffer((C * dk,), "float32", scope="shared")
-                        us = T.alloc_buffer((C * DVT,), "float32", scope="shared")
-                        vns = T.alloc_buffer((C * DVT,), "float32", scope="shared")
-                        oqs = T.alloc_buffer((C * DVT,), "float32", scope="shared")
-                        mqs = T.alloc_buffer((C * CP,), "float32", scope="shared")
-                        egs = T.alloc_buffer((C,), "float32", scope="shared")
-                        decs = T.alloc_buffer((C,), "float32", scope="shared")
-                        egl = T.alloc_buffer((1,), "float32", scope="shared")
-                        hs = T.alloc_buffer((EPT,), "float32", scope="local")
-                        wv = T.alloc_buffer((EPT,), "float32", scope="local")
-                        qv = T.alloc_buffer((EPT,), "float32", scope="local")
-                        pw = T.alloc_buffer((1,), "float32", scope="local")
-                        pq = T.alloc_buffer((1,), "float32", scope="local")
-                        acc = T.alloc_buffer((1,), "float32", scope="local")
-                        # thread = (column tx // G, state rows (tx % G) * EPT ...)
-                        for e in T.unroll(EPT):
-                            hs[e] = ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G]
-                        for c in range((cu[bi + 1] - cu[bi] + (C - 1)) // C):
-                            c0 = cu[bi] + c * C
-                            ln = T.min(C, cu[bi + 1] - c0)
-                            # stage W, Q (swizzled rows), U tile, M, decays; padded rows are zero
-                            for m in range((C * RV4 + NT - 1) // NT):
-                                if (m * NT + tx) // RV4 < C:
-                                    if (m * NT + tx) // RV4 < ln:
-                                        for u in T.vectorized(4):
-                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = wsc[
-                                                (i64(c0 + (m * NT + tx) // RV4) * hv + h) * dk + (m * NT + tx) % RV4 * 4 + u]
-                                        for u in T.vectorized(4):
-                                            qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = q[
-                                                i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
+        # ---- 2. per (row, value head, dv tile): chunks in order ---------------------------------
+        if MMA:
+            # tensor cores (mma.sync m16n8k8 tf32, fp32 accumulate; 3xTF32 split unless tf32x3=False).
+            # warp w: rows 16 (w % 2).. of W (w < 2) or Q (w >= 2) for W S / Q S, state rows
+            # (w MT + mt) 16.. (C fragments, in registers for the whole row) for the update.
+            for bi in T.thread_binding(b, thread="blockIdx.x"):
+                for h in T.thread_binding(hv, thread="blockIdx.y"):
+                    for dt in T.thread_binding(NDT, thread="blockIdx.z"):
+                        for tx in T.thread_binding(NTM, thread="threadIdx.x"):
+                            sst = T.alloc_buffer((DVT * SSS,), "float32", scope="shared")  # S^T [c][e]
+                            vnt = T.alloc_buffer((DVT * SVS,), "float32", scope="shared")  # V_new^T [c][j]
+                            sa = T.alloc_buffer((MT * NNT * 4,), "float32", scope="local")
+                            af = T.alloc_buffer((KP * 8,), "float32", scope="local")
+                            pa = T.alloc_buffer((NNT * 4,), "float32", scope="local")
+                            ua = T.alloc_buffer((NNT * 4,), "float32", scope="local")
+                            mf = T.alloc_buffer((CP2 * 8,), "float32", scope="local")
+                            kf = T.alloc_buffer((MT * CP2 * 8,), "float32", scope="local")
+                            dcf = T.alloc_buffer((CP2 * 4,), "float32", scope="local")
+                            vb = T.alloc_buffer((NNT * CP2 * 4,), "float32", scope="local")
+                            bq = T.alloc_buffer((4,), "float32", scope="local")
+                            sc = T.alloc_buffer((4,), "float32", scope="local")
+                            for mt in T.unroll(MT):
+                                for nt in T.unroll(NNT):
+                                    for rr in T.unroll(4):
+                                        sa[(mt * NNT + nt) * 4 + rr] = ssm[slot[bi], layer, h, srow(tx, mt, rr),
+                                                                           dt * DVT + scol(tx, nt, rr)]
+                                        sst[scol(tx, nt, rr) * SSS + srow(tx, mt, rr)] = sa[(mt * NNT + nt) * 4 + rr]
+                            T.tvm_storage_sync("shared")
+                            # A fragments (W rows for warps 0, 1, Q rows for 2, 3) of chunk 0
+                            for kp in T.unroll(KP):
+                                for hf in T.unroll(2):
+                                    if arow(tx, hf) < T.min(C, cu[bi + 1] - cu[bi]):
+                                        if tx // 32 < 2:
+                                            for u in T.vectorized(4):
+                                                af[(kp * 2 + hf) * 4 + u] = wsc[
+                                                    (i64(cu[bi] + arow(tx, hf)) * hv + h) * dk + kp * 16 + tx % 4 * 4 + u]
+                                        else:
+                                            for u in T.vectorized(4):
+                                                af[(kp * 2 + hf) * 4 + u] = q[
+                                                    i64(cu[bi] + arow(tx, hf)), h // r, kp * 16 + tx % 4 * 4 + u]
                                     else:
                                         for u in T.vectorized(4):
-                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                                            af[(kp * 2 + hf) * 4 + u] = T.float32(0)
+                            for c in range((cu[bi + 1] - cu[bi] + (C - 1)) // C * P2):
+                                c0 = cu[bi] + c * C
+                                ln = T.min(C, cu[bi + 1] - c0)
+                                # global -> registers: U / e^gamma, M, decayed K (the A fragments of this
+                                # chunk's W or Q rows were loaded during the previous chunk)
+                                if tx // 32 < 2:
+                                    for nt in T.unroll(NNT):
+                                        for rr in T.unroll(4):
+                                            ua[nt * 4 + rr] = T.if_then_else(
+                                                arow(tx, rr // 2) < ln,
+                                                o[i64(c0 + arow(tx, rr // 2)), h, dt * DVT + scol(tx, nt, rr)], T.float32(0))
+                                else:
+                                    for hf in T.unroll(2):
+                                        sc[hf] = T.if_then_else(
+                                            arow(tx, hf) < ln, T.exp(gsc[i64(c0 + arow(tx, hf)) * hv + h]), T.float32(0))
+                                    for kp in T.unroll(CP2):
+                                        for hf in T.unroll(2):
+                                            for u in T.unroll(4):
+                                                mf[(kp * 2 + hf) * 4 + u] = T.if_then_else(
+                                                    arow(tx, hf) < ln and kp * 16 + tx % 4 * 4 + u <= arow(tx, hf),
+                                                    mq[(i64(c0 + arow(tx, hf)) * hv + h) * C + kp * 16 + tx % 4 * 4 + u],
+                                                    T.float32(0))
+                                sc[2] = T.exp(gsc[i64(c0 + ln - 1) * hv + h])
+                                for kp in T.unroll(CP2):
+                                    for u in T.unroll(4):
+                                        dcf[kp * 4 + u] = T.if_then_else(
+                                            kp * 16 + tx % 4 * 4 + u < ln,
+                                            T.exp(gsc[i64(c0 + ln - 1) * hv + h] - gsc[i64(c0 + kp * 16 + tx % 4 * 4 + u) * hv + h]),
+                                            T.float32(0))
+                                for mt in T.unroll(MT):
+                                    for kp in T.unroll(CP2):
+                                        for hh in T.unroll(2):
+                                            for u in T.unroll(4):
+                                                kf[((mt * CP2 + kp) * 2 + hh) * 4 + u] = T.if_then_else(
+                                                    kp * 16 + tx % 4 * 4 + u < ln,
+                                                    k[i64(c0 + kp * 16 + tx % 4 * 4 + u), h // r,
+                                                      (tx // 32 * MT + mt) * 16 + tx % 32 // 4 + 8 * hh] * dcf[kp * 4 + u],
+                                                    T.float32(0))
+                                # W S (warps 0, 1) / Q S (warps 2, 3): B fragments of S from S^T rows
+                                for u in T.unroll(NNT * 4):
+                                    pa[u] = T.float32(0)
+                                for kp in T.unroll(KP):
+                                    for nt in T.unroll(NNT):
                                         for u in T.vectorized(4):
-                                            qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
-                            for m in range((C * DVT + NT - 1) // NT):
-                                if m * NT + tx < C * DVT:
-                                    us[m * NT + tx] = T.if_then_else(
-                                        (m * NT + tx) // DVT < ln,
-                                        o[i64(c0 + (m * NT + tx) // DVT), h, dt * DVT + (m * NT + tx) % DVT], T.float32(0))
-                            for m in range((C * C + NT - 1) // NT):
-                                if m * NT + tx < C * C:
-                                    mqs[(m * NT + tx) // C * CP + (m * NT + tx) % C] = T.if_then_else(
-                                        (m * NT + tx) // C < ln and (m * NT + tx) % C <= (m * NT + tx) // C,
-                                        mq[(i64(c0 + (m * NT + tx) // C) * hv + h) * C + (m * NT + tx) % C], T.float32(0))
-                            for m in range((C + NT - 1) // NT):
-                                if m * NT + tx < C:
-                                    egs[m * NT + tx] = T.if_then_else(
-                                        m * NT + tx < ln, T.exp(gsc[i64(c0 + m * NT + tx) * hv + h]), T.float32(0))
-                                    decs[m * NT + tx] = T.if_then_else(
-                                        m * NT + tx < ln,
-                                        T.exp(gsc[i64(c0 + ln - 1) * hv + h] - gsc[i64(c0 + m * NT + tx) * hv + h]),
-                                        T.float32(0))
-                                    if m * NT + tx == 0:
-                                        egl[0] = T.exp(gsc[i64(c0 + ln - 1) * hv + h])
-                            T.tvm_storage_sync("shared")
-                            # V_new = U - W S (rows), Q S (rows): partial dots over this thread's
-                            # state rows, reduced over the G lanes of the column
-                            for i in T.unroll(C):
-                                for kk in T.unroll(NV4):
-                                    for u in T.vectorized(4):
-                                        wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
-                                    for u in T.vectorized(4):
-                                        qv[kk * 4 + u] = qs[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
-                                pw[0] = T.float32(0)
-                                pq[0] = T.float32(0)
-                                for e in T.unroll(EPT):
-                                    pw[0] = pw[0] + wv[e] * hs[e]
-                                    pq[0] = pq[0] + qv[e] * hs[e]
-                                for lg in T.unroll(LOG2G):
-                                    pw[0] = pw[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pw[0], (G // 2) >> lg, 32, 32)
-                                    pq[0] = pq[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pq[0], (G // 2) >> lg, 32, 32)
-                                if tx % G == i % G:
-                                    vns[i * DVT + tx // G] = us[i * DVT + tx // G] - pw[0]
-                                    oqs[i * DVT + tx // G] = egs[i] * pq[0]
-                            T.tvm_storage_sync("shared")
-                            # stage K into wk (W is consumed); meanwhile O = e^g Q S + M V_new
-                            for m in range((C * RV4 + NT - 1) // NT):
-                                if (m * NT + tx) // RV4 < C:
-                                    if (m * NT + tx) // RV4 < ln:
+                                            bq[u] = sst[(nt * 8 + tx % 32 // 4) * SSS + kp * 16 + tx % 4 * 4 + u]
+                                        for s2 in T.unroll(2):
+                                            T.evaluate(T.cuda.func_call(
+                                                MMA_FN, T.address_of(pa[nt * 4]), af[kp * 8 + 2 * s2], af[kp * 8 + 4 + 2 * s2],
+                                                af[kp * 8 + 2 * s2 + 1], af[kp * 8 + 4 + 2 * s2 + 1], bq[2 * s2], bq[2 * s2 + 1],
+                                                source_code=MMA_SRC))
+                                # prefetch the next chunk's A fragments (consumed: their loads overlap the rest)
+                                for kp in T.unroll(KP):
+                                    for hf in T.unroll(2):
+                                        if arow(tx, hf) < cu[bi + 1] - c0 - C:
+                                            if tx // 32 < 2:
+                                                for u in T.vectorized(4):
+                                                    af[(kp * 2 + hf) * 4 + u] = wsc[
+                                                        (i64(c0 + C + arow(tx, hf)) * hv + h) * dk + kp * 16 + tx % 4 * 4 + u]
+                                            else:
+                                                for u in T.vectorized(4):
+                                                    af[(kp * 2 + hf) * 4 + u] = q[
+                                                        i64(c0 + C + arow(tx, hf)), h // r, kp * 16 + tx % 4 * 4 + u]
+                                        else:
+                                            for u in T.vectorized(4):
+                                                af[(kp * 2 + hf) * 4 + u] = T.float32(0)
+                                if tx // 32 < 2:
+                                    for nt in T.unroll(NNT):
+                                        for rr in T.unroll(4):
+                                            vnt[scol(tx, nt, rr) * SVS + arow(tx, rr // 2)] = ua[nt * 4 + rr] - pa[nt * 4 + rr]
+                                else:
+                                    for nt in T.unroll(NNT):
+                                        for rr in T.unroll(4):
+                                            pa[nt * 4 + rr] = pa[nt * 4 + rr] * sc[rr // 2]
+                                T.tvm_storage_sync("shared")
+                                # B fragments of V_new (O and the state update share them)
+                                for nt in T.unroll(NNT):
+                                    for kp in T.unroll(CP2):
                                         for u in T.vectorized(4):
-                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = k[
-                                                i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
-                                    else:
-                                        for u in T.vectorized(4):
-                                            wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
-                            for m in T.unroll((C + G - 1) // G):
-                                if m * G + tx // DVT < ln:
-                                    acc[0] = oqs[(m * G + tx // DVT) * DVT + tx % DVT]
-                                    for j in T.unroll(C):
-                                        acc[0] = acc[0] + mqs[(m * G + tx // DVT) * CP + j] * vns[j * DVT + tx % DVT]
-                                    o[i64(c0 + m * G + tx // DVT), h, dt * DVT + tx % DVT] = acc[0]
-                            T.tvm_storage_sync("shared")
-                            # S = e^(g_last) S + (K e^(g_last - g))^T V_new
+                                            vb[(nt * CP2 + kp) * 4 + u] = vnt[(nt * 8 + tx % 32 // 4) * SVS + kp * 16 + tx % 4 * 4 + u]
+                                if tx // 32 >= 2:
+                                    # O = e^gamma Q S + M V_new
+                                    for kp in T.unroll(CP2):
+                                        for s2 in T.unroll(2):
+                                            for nt in T.unroll(NNT):
+                                                T.evaluate(T.cuda.func_call(
+                                                    MMA_FN, T.address_of(pa[nt * 4]), mf[kp * 8 + 2 * s2], mf[kp * 8 + 4 + 2 * s2],
+                                                    mf[kp * 8 + 2 * s2 + 1], mf[kp * 8 + 4 + 2 * s2 + 1],
+                                                    vb[(nt * CP2 + kp) * 4 + 2 * s2], vb[(nt * CP2 + kp) * 4 + 2 * s2 + 1],
+                                                    source_code=MMA_SRC))
+                                    for nt in T.unroll(NNT):
+                                        for rr in T.unroll(4):
+                                            if arow(tx, rr // 2) < ln:
+                                                o[i64(c0 + arow(tx, rr // 2)), h, dt * DVT + scol(tx, nt, rr)] = pa[nt * 4 + rr]
+                                # S = e^(g_last) S + (K e^(g_last - g))^T V_new
+                                for u in T.unroll(MT * NNT * 4):
+                                    sa[u] = sa[u] * sc[2]
+                                for mt in T.unroll(MT):
+                                    for kp in T.unroll(CP2):
+                                        for s2 in T.unroll(2):
+                                            for nt in T.unroll(NNT):
+                                                T.evaluate(T.cuda.func_call(
+                                                    MMA_FN, T.address_of(sa[(mt * NNT + nt) * 4]),
+                                                    kf[(mt * CP2 + kp) * 8 + 2 * s2], kf[(mt * CP2 + kp) * 8 + 4 + 2 * s2],
+                                                    kf[(mt * CP2 + kp) * 8 + 2 * s2 + 1], kf[(mt * CP2 + kp) * 8 + 4 + 2 * s2 + 1],
+                                                    vb[(nt * CP2 + kp) * 4 + 2 * s2], vb[(nt * CP2 + kp) * 4 + 2 * s2 + 1],
+                                                    source_code=MMA_SRC))
+                                for mt in T.unroll(MT):
+                                    for nt in T.unroll(NNT):
+                                        for rr in T.unroll(4):
+                                            sst[scol(tx, nt, rr) * SSS + srow(tx, mt, rr)] = sa[(mt * NNT + nt) * 4 + rr]
+                                T.tvm_storage_sync("shared")
+                            for mt in T.unroll(MT):
+                                for nt in T.unroll(NNT):
+                                    for rr in T.unroll(4):
+                                        ssm[slot[bi], layer, h, srow(tx, mt, rr), dt * DVT + scol(tx, nt, rr)] = sa[
+                                            (mt * NNT + nt) * 4 + rr]
+        else:
+            # ---- 2. per (row, value head, dv tile): chunks in order, state in registers ------------
+            for bi in T.thread_binding(b, thread="blockIdx.x"):
+                for h in T.thread_binding(hv, thread="blockIdx.y"):
+                    for dt in T.thread_binding(NDT, thread="blockIdx.z"):
+                        for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                            wk = T.alloc_buffer((C * dk,), "float32", scope="shared")  # W, then K
+                            qs = T.alloc_buffer((C * dk,), "float32", scope="shared")
+                            us = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                            vns = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                            oqs = T.alloc_buffer((C * DVT,), "float32", scope="shared")
+                            mqs = T.alloc_buffer((C * CP,), "float32", scope="shared")
+                            egs = T.alloc_buffer((C,), "float32", scope="shared")
+                            decs = T.alloc_buffer((C,), "float32", scope="shared")
+                            egl = T.alloc_buffer((1,), "float32", scope="shared")
+                            hs = T.alloc_buffer((EPT,), "float32", scope="local")
+                            wv = T.alloc_buffer((EPT,), "float32", scope="local")
+                            qv = T.alloc_buffer((EPT,), "float32", scope="local")
+                            pw = T.alloc_buffer((1,), "float32", scope="local")
+                            pq = T.alloc_buffer((1,), "float32", scope="local")
+                            acc = T.alloc_buffer((1,), "float32", scope="local")
+                            # thread = (column tx // G, state rows (tx % G) * EPT ...)
                             for e in T.unroll(EPT):
-                                hs[e] = hs[e] * egl[0]
-                            for i in T.unroll(C):
-                                for kk in T.unroll(NV4):
-                                    for u in T.vectorized(4):
-                                        wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
-                                acc[0] = vns[i * DVT + tx // G] * decs[i]
+                                hs[e] = ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G]
+                            for c in range((cu[bi + 1] - cu[bi] + (C - 1)) // C * P2):
+                                c0 = cu[bi] + c * C
+                                ln = T.min(C, cu[bi + 1] - c0)
+                                # stage W, Q (swizzled rows), U tile, M, decays; padded rows are zero
+                                for m in range((C * RV4 + NT - 1) // NT):
+                                    if (m * NT + tx) // RV4 < C:
+                                        if (m * NT + tx) // RV4 < ln:
+                                            for u in T.vectorized(4):
+                                                wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = wsc[
+                                                    (i64(c0 + (m * NT + tx) // RV4) * hv + h) * dk + (m * NT + tx) % RV4 * 4 + u]
+                                            for u in T.vectorized(4):
+                                                qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = q[
+                                                    i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
+                                        else:
+                                            for u in T.vectorized(4):
+                                                wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                                            for u in T.vectorized(4):
+                                                qs[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                                for m in range((C * DVT + NT - 1) // NT):
+                                    if m * NT + tx < C * DVT:
+                                        us[m * NT + tx] = T.if_then_else(
+                                            (m * NT + tx) // DVT < ln,
+                                            o[i64(c0 + (m * NT + tx) // DVT), h, dt * DVT + (m * NT + tx) % DVT], T.float32(0))
+                                for m in range((C * C + NT - 1) // NT):
+                                    if m * NT + tx < C * C:
+                                        mqs[(m * NT + tx) // C * CP + (m * NT + tx) % C] = T.if_then_else(
+                                            (m * NT + tx) // C < ln and (m * NT + tx) % C <= (m * NT + tx) // C,
+                                            mq[(i64(c0 + (m * NT + tx) // C) * hv + h) * C + (m * NT + tx) % C], T.float32(0))
+                                for m in range((C + NT - 1) // NT):
+                                    if m * NT + tx < C:
+                                        egs[m * NT + tx] = T.if_then_else(
+                                            m * NT + tx < ln, T.exp(gsc[i64(c0 + m * NT + tx) * hv + h]), T.float32(0))
+                                        decs[m * NT + tx] = T.if_then_else(
+                                            m * NT + tx < ln,
+                                            T.exp(gsc[i64(c0 + ln - 1) * hv + h] - gsc[i64(c0 + m * NT + tx) * hv + h]),
+                                            T.float32(0))
+                                        if m * NT + tx == 0:
+                                            egl[0] = T.exp(gsc[i64(c0 + ln - 1) * hv + h])
+                                T.tvm_storage_sync("shared")
+                                # V_new = U - W S (rows), Q S (rows): partial dots over this thread's
+                                # state rows, reduced over the G lanes of the column
+                                for i in T.unroll(C):
+                                    for kk in T.unroll(NV4):
+                                        for u in T.vectorized(4):
+                                            wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                        for u in T.vectorized(4):
+                                            qv[kk * 4 + u] = qs[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                    pw[0] = T.float32(0)
+                                    pq[0] = T.float32(0)
+                                    for e in T.unroll(EPT):
+                                        pw[0] = pw[0] + wv[e] * hs[e]
+                                        pq[0] = pq[0] + qv[e] * hs[e]
+                                    for lg in T.unroll(LOG2G):
+                                        pw[0] = pw[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pw[0], (G // 2) >> lg, 32, 32)
+                                        pq[0] = pq[0] + T.tvm_warp_shuffle_xor(T.uint32(mask), pq[0], (G // 2) >> lg, 32, 32)
+                                    if tx % G == i % G:
+                                        vns[i * DVT + tx // G] = us[i * DVT + tx // G] - pw[0]
+                                        oqs[i * DVT + tx // G] = egs[i] * pq[0]
+                                T.tvm_storage_sync("shared")
+                                # stage K into wk (W is consumed); meanwhile O = e^g Q S + M V_new
+                                for m in range((C * RV4 + NT - 1) // NT):
+                                    if (m * NT + tx) // RV4 < C:
+                                        if (m * NT + tx) // RV4 < ln:
+                                            for u in T.vectorized(4):
+                                                wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = k[
+                                                    i64(c0 + (m * NT + tx) // RV4), h // r, (m * NT + tx) % RV4 * 4 + u]
+                                        else:
+                                            for u in T.vectorized(4):
+                                                wk[(m * NT + tx) // RV4 * dk + phys((m * NT + tx) % RV4) * 4 + u] = T.float32(0)
+                                for m in T.unroll((C + G - 1) // G):
+                                    if m * G + tx // DVT < ln:
+                                        acc[0] = oqs[(m * G + tx // DVT) * DVT + tx % DVT]
+                                        for j in T.unroll(C):
+                                            acc[0] = acc[0] + mqs[(m * G + tx // DVT) * CP + j] * vns[j * DVT + tx % DVT]
+                                        o[i64(c0 + m * G + tx // DVT), h, dt * DVT + tx % DVT] = acc[0]
+                                T.tvm_storage_sync("shared")
+                                # S = e^(g_last) S + (K e^(g_last - g))^T V_new
                                 for e in T.unroll(EPT):
-                                    hs[e] = hs[e] + wv[e] * acc[0]
-                            T.tvm_storage_sync("shared")
-                        for e in T.unroll(EPT):
-                            ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G] = hs[e]
+                                    hs[e] = hs[e] * egl[0]
+                                for i in T.unroll(C):
+                                    for kk in T.unroll(NV4):
+                                        for u in T.vectorized(4):
+                                            wv[kk * 4 + u] = wk[i * dk + phys(tx % G * NV4 + kk) * 4 + u]
+                                    acc[0] = vns[i * DVT + tx // G] * decs[i]
+                                    for e in T.unroll(EPT):
+                                        hs[e] = hs[e] + wv[e] * acc[0]
+                                T.tvm_storage_sync("shared")
+                            for e in T.unroll(EPT):
+                                ssm[slot[bi], layer, h, tx % G * EPT + e, dt * DVT + tx // G] = hs[e]
 
     return gdn_chunk

@@ -16,14 +16,17 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn, gdn_decode, gemm_sm90, norm
+from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, norm
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
 DEFAULT_KERNELS = {
     "paged_attention": {"threads": 128, "target_blocks": 264},
     "causal_conv": {"threads": 256},
-    "chunked_delta_rule": {"chunk": 32, "state_tile": 16, "ept": 16},
+    # mma: None = tensor cores (mma.sync tf32) where the geometry allows; mma_tile: value columns per block
+    # of the sequential pass; tf32x3: each product as 3 tf32 mma (fp32-level error, ~1e-6) instead of 1
+    # (~5e-4, well under bf16's rounding), "auto": 3 for fp32 activations, 1 for bf16 / f16 models
+    "chunked_delta_rule": {"chunk": 32, "state_tile": 16, "ept": 16, "mma": None, "mma_tile": 32, "tf32x3": "auto"},
     "recurrent_delta_rule": {},
     "rms_norm": {"threads": 256},
     "gemv": {"unroll": 4, "min_warps": 1, "max_warps": 8, "target_warps": 2048, "big_tiles": 4, "fma_warps": 4,
@@ -74,9 +77,14 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
     p = kernel_params(arch)
     cp = p["chunked_delta_rule"]
 
-    def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int | None = None):
+    def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int | None = None,
+                           act_dtype: str | None = None):
+        """act_dtype: the model's activation dtype (picks the tf32x3 "auto" precision; None: fp32-level)."""
+        x3 = cp["tf32x3"]
+        if x3 == "auto":
+            x3 = act_dtype not in ("bfloat16", "float16")
         return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], state_tile=cp["state_tile"],
-                                      ept=cp["ept"])
+                                      ept=cp["ept"], mma=cp["mma"], mma_tile=cp["mma_tile"], tf32x3=bool(x3))
 
     return SimpleNamespace(
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"]),
@@ -89,6 +97,10 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
         gdn_decode=gdn_decode.fused_gdn_decode,
+        # prefill GDN around the chunked kernel: conv + q/k/v split + L2 norms in one launch, gated RMSNorm
+        # reading z in place (None for geometries they do not take)
+        gdn_prep=gdn_prep.gdn_prep,
+        gdn_gated_norm=gdn_prep.gdn_gated_norm,
         # gemm(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None: prefill projections
         # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
         gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
