@@ -471,8 +471,12 @@ def _kernel_category(name: str) -> str:
         return "gdn_chunk"
     if name.startswith("gdn_step"):
         return "gdn_step"
-    if name.startswith("conv_kernel"):
-        return "conv"
+    if name.startswith("gdn_decode"):
+        return "gdn_decode"
+    if name.startswith(("conv_kernel", "gdn_prep")):
+        return "conv (prefill: + q/k/v split, L2 norms)"
+    if name.startswith(("gemm_", "gemv_")):
+        return "gemm (wgmma prefill)" if name.startswith("gemm_") else "gemv (decode)"
     if "matmul" in name:
         m = re.search(r"_kernel(_\d+)?$", name)
         return "matmul" + ((m.group(1) or "_0") if m else "")
