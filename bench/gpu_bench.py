@@ -559,9 +559,17 @@ def cmd_bench(a):
     max_b = max(batches)
     ctx = a.ctx
     pages_per_seq = -(-ctx // PAGE)
-    long_pages = max(-(-a.long_ctx // PAGE) * a.long_batch if a.long_ctx else 0,
-                     -(-a.longest_ctx // PAGE) if a.longest_ctx else 0)  # pages of the longest batch
-    num_pages = max(max_b * pages_per_seq, long_pages) + 1
+    long_b = [int(x) for x in a.long_batches.split(",")] if a.long_ctx else []
+    longest_b = [int(x) for x in a.longest_batches.split(",")] if a.longest_ctx else []
+    want = max([max_b * pages_per_seq] + [b * -(-a.long_ctx // PAGE) for b in long_b]
+               + [b * -(-a.longest_ctx // PAGE) for b in longest_b]) + 1
+    # the largest pool that fits next to the weights with a reserve for activations / workspace; rows that
+    # need more pages than it holds are skipped (reported), never an out-of-memory failure
+    page_bytes = cfg["layer_types"].count("full_attention") * 2 * cfg["num_key_value_heads"] * PAGE * \
+        cfg["head_dim"] * {"float32": 4}.get(meta.get("dtype", "bfloat16"), 2)
+    fit = int((torch.cuda.mem_get_info()[0] - a.reserve_gib * 2 ** 30) // page_bytes)
+    num_pages = max(min(want, fit), max_b * pages_per_seq + 1)
+    res["kv_pool_pages"], res["kv_pool_pages_wanted"] = num_pages, want
     slots = max_b + 1
     mdt = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[meta.get("dtype", "bfloat16")]
     res["dtype"] = meta.get("dtype", "bfloat16")
@@ -651,13 +659,16 @@ def cmd_bench(a):
                       kv_t, conv_t, ssm_t, params)
             res["profile"].append(_profile(torch, lambda: vm["prefill"](*pargs0), f"prefill {m}"))
         save()
-    if a.long_ctx and time.time() - t0 < a.budget_s * 0.5:
-        for b in (1, a.long_batch) if a.long_batch > 1 else (1,):
-            res["decode"].append(decode_run(b, a.long_ctx, max(3, a.steps // 2), warm=1))
+    res["decode_skipped"] = []
+    for c, bs, frac in ((a.long_ctx, long_b, 0.5), (a.longest_ctx, longest_b, 0.6)):
+        for b in bs:
+            if b * -(-c // PAGE) + 1 > num_pages or time.time() - t0 > a.budget_s * frac:
+                res["decode_skipped"].append({"batch": b, "ctx": c, "why": "pool" if b * -(-c // PAGE) + 1 > num_pages
+                                              else "time budget"})
+                print(f"decode b={b} ctx={c}: skipped ({res['decode_skipped'][-1]['why']})", flush=True)
+                continue
+            res["decode"].append(decode_run(b, c, 3 if c > a.long_ctx else max(3, a.steps // 2), warm=1))
             save()
-    if a.longest_ctx and time.time() - t0 < a.budget_s * 0.6:  # batch 1 only (the pool holds one such row)
-        res["decode"].append(decode_run(1, a.longest_ctx, 3, warm=1))
-        save()
 
     # prefill at ctx tokens (one sequence, fresh state)
     n = a.prefill
@@ -754,7 +765,10 @@ def main(argv=None):
     b.add_argument("--short-ctx", type=int, default=512)
     b.add_argument("--long-ctx", type=int, default=131072)
     b.add_argument("--longest-ctx", type=int, default=262144, help="one more decode row at batch 1 (0: skip)")
-    b.add_argument("--long-batch", type=int, default=2)
+    b.add_argument("--long-batches", default="1,2,4,8", help="batches decoded at --long-ctx")
+    b.add_argument("--longest-batches", default="1,2,4", help="batches decoded at --longest-ctx")
+    b.add_argument("--reserve-gib", type=float, default=12.0,
+                   help="device memory left free beside the KV pool (activations, workspace)")
     b.add_argument("--batches", default="1,2,4,8")
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--prefill", type=int, default=8192)
