@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench bench2 spec sass hf (bench2: a second library folder, PREP2)
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec sass hf
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -26,7 +26,6 @@ for step in "$@"; do
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
-    bench2) [ -n "${PREP2:-}" ] && run bench2 ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench $PREP2 $OUT/bench2.json ${BENCH2_ARGS:-${BENCH_ARGS:-}} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)

@@ -71,6 +71,7 @@ def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, thread
     CT = min(threads, ((conv_dim + 31) // 32) * 32)
     NCB = (conv_dim + CT - 1) // CT
     store_tails = conv_tails(conv_dim, kernel, dtype, threads)
+    find_row, conv_sum = conv_taps(kernel)
 
     @T.prim_func
     def conv(
@@ -95,24 +96,40 @@ def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, thread
                     rowv = T.alloc_buffer((1,), "int32", scope="local")
                     acc = T.alloc_buffer((1,), "float32", scope="local")
                     if cb * CT + tx < conv_dim:
-                        rowv[0] = 0
-                        for r in range(b - 1):
-                            if T.Cast("int64", cu[r + 1]) <= t:
-                                rowv[0] = rowv[0] + 1
-                        acc[0] = T.float32(0)
-                        for j in T.unroll(kernel):
-                            if t - taps + j >= T.Cast("int64", cu[rowv[0]]):
-                                acc[0] = acc[0] + T.Cast("float32", w[cb * CT + tx, j]) * T.Cast(
-                                    "float32", x[t - taps + j, cb * CT + tx])
-                            else:
-                                acc[0] = acc[0] + T.Cast("float32", w[cb * CT + tx, j]) * T.Cast(
-                                    "float32", pool[slot[rowv[0]], layer, cb * CT + tx,
-                                                    t - T.Cast("int64", cu[rowv[0]]) + j])
+                        find_row(rowv, t, b, cu)
+                        conv_sum(acc, rowv, t, cb * CT + tx, x, w, pool, slot, cu, layer)
                         out[t, cb * CT + tx] = T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0])))
         # (2) new tails = last K-1 entries of [old tail | row inputs]
         store_tails(b, cu, slot, pool, x, layer)
 
     return conv
+
+
+def conv_taps(kernel: int):
+    """Macros (find_row, conv_sum) of the causal conv's output side, shared with gdn_prep.py:
+    find_row(rowv, t, b, cu): rowv[0] = the row of token t (a scan over cu; b is small);
+    conv_sum(acc, rowv, t, c, x, w, pool, slot, cu, layer): acc[0] = the fp32 conv of channel c at token t,
+    taps before the row start read from the row's stored tail."""
+    taps = kernel - 1
+
+    @T.macro
+    def find_row(rowv, t, b, cu):
+        rowv[0] = 0
+        for r in range(b - 1):
+            if T.Cast("int64", cu[r + 1]) <= t:
+                rowv[0] = rowv[0] + 1
+
+    @T.macro
+    def conv_sum(acc, rowv, t, c, x, w, pool, slot, cu, layer):
+        acc[0] = T.float32(0)
+        for j in T.unroll(kernel):
+            if t - taps + j >= T.Cast("int64", cu[rowv[0]]):
+                acc[0] = acc[0] + T.Cast("float32", w[c, j]) * T.Cast("float32", x[t - taps + j, c])
+            else:
+                acc[0] = acc[0] + T.Cast("float32", w[c, j]) * T.Cast(
+                    "float32", pool[slot[rowv[0]], layer, c, t - T.Cast("int64", cu[rowv[0]]) + j])
+
+    return find_row, conv_sum
 
 
 def conv_tails(conv_dim: int, kernel: int, dtype: str, threads: int = 256):

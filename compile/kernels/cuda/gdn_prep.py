@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .gdn import conv_tails
+from .gdn import conv_taps, conv_tails
 
 WARPS = 8
 
@@ -41,6 +41,7 @@ def gdn_prep(hk: int, hv: int, dk: int, dv: int, kernel: int, n_layers: int, dty
     EPL = dk // 32
     q_scale = float(dk) ** -0.5
     store_tails = conv_tails(C, kernel, dtype)
+    find_row, conv_sum = conv_taps(kernel)
 
     @T.prim_func
     def prep(
@@ -69,21 +70,11 @@ def gdn_prep(hk: int, hv: int, dk: int, dv: int, kernel: int, n_layers: int, dty
                     acc = T.alloc_buffer((1,), "float32", scope="local")
                     ss = T.alloc_buffer((1,), "float32", scope="local")
                     if gb * WARPS + tx // 32 < NH:
-                        rowv[0] = 0
-                        for r in range(b - 1):
-                            if T.Cast("int64", cu[r + 1]) <= t:
-                                rowv[0] = rowv[0] + 1
+                        find_row(rowv, t, b, cu)
                         ss[0] = T.float32(0)
                         for e in T.unroll(EPL):
-                            acc[0] = T.float32(0)
-                            for j in T.unroll(kernel):
-                                if t - taps + j >= T.Cast("int64", cu[rowv[0]]):
-                                    acc[0] = acc[0] + T.Cast("float32", w[(gb * WARPS + tx // 32) * dk + tx % 32 * EPL + e, j]) * T.Cast(
-                                        "float32", x[t - taps + j, (gb * WARPS + tx // 32) * dk + tx % 32 * EPL + e])
-                                else:
-                                    acc[0] = acc[0] + T.Cast("float32", w[(gb * WARPS + tx // 32) * dk + tx % 32 * EPL + e, j]) * T.Cast(
-                                        "float32", pool[slot[rowv[0]], layer, (gb * WARPS + tx // 32) * dk + tx % 32 * EPL + e,
-                                                        t - T.Cast("int64", cu[rowv[0]]) + j])
+                            conv_sum(acc, rowv, t, (gb * WARPS + tx // 32) * dk + tx % 32 * EPL + e, x, w, pool, slot,
+                                     cu, layer)
                             u[e] = T.Cast("float32", T.Cast(dtype, acc[0] / (T.float32(1) + T.exp(-acc[0]))))
                             ss[0] = ss[0] + u[e] * u[e]
                         for o in T.unroll(5):

@@ -43,7 +43,7 @@ _CT = {"bfloat16": "nv_bfloat16", "float16": "half"}
 _WG_TYPE = {"bfloat16": "bf16", "float16": "f16"}
 
 
-def supported(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, bn: int = 256) -> bool:
+def supported(K: int, O: int, dtype: str, out_dtype: str, epilogue: str) -> bool:
     if dtype not in _CT or out_dtype not in (dtype, "float32") or K % 8 or K < 8:
         return False
     if epilogue == "silu_mul":
@@ -244,7 +244,7 @@ def gemm(K: int, O: int, dtype: str, out_dtype: str | None = None, epilogue: str
          stages: int = 4, group_m: int = 8, small_rows: int = 32, gemv_params: tuple = ()):
     """The prim_func of the contract above, or None where the kernel does not apply."""
     out_dtype = out_dtype or dtype
-    if not supported(K, O, dtype, out_dtype, epilogue, bn) or bn not in (128, 256) or not 3 <= stages <= 8:
+    if not supported(K, O, dtype, out_dtype, epilogue) or bn not in (128, 256) or not 3 <= stages <= 8:
         return None
     if smem_bytes(bn, stages) > 227 * 1024:
         return None
