@@ -290,7 +290,7 @@ def cmd_prep(a):
     sys.path.insert(0, str(ROOT / "tests"))
     from hf_tiny import make_hf_model, save_hf
 
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
     model = make_hf_model("qwen3_5", seed=11)
     hf_dir = save_hf(model, out / "_hf_tiny")
@@ -303,7 +303,7 @@ def cmd_prep(a):
                       name=f"tiny-{quant}", log=lambda *_: None)
         lart = compile_model(hf_dir, target="llvm", quant=quant, out_dir=out / f"_llvm-{quant}",
                              name=f"llvm-{quant}", log=lambda *_: None)
-        r = ModelRunner(lart, kv_capacity_tokens=2048, num_slots=6)
+        r = Harness(lart, kv_capacity_tokens=2048, num_slots=6)
         for k, v in run_scenarios(r, ids).items():
             refs[f"llvm_{quant}/{k}"] = v
     refs["ids"] = np.array(ids, np.int32)
@@ -375,7 +375,7 @@ def cmd_check(a):
         res["kernels"][name] = {"rel_err": errs, "tol": tol, "pass": passed}
         print(f"kernel {name:28s} {'PASS' if passed else 'FAIL'} {errs}", flush=True)
     # tiny model
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
     ref = dict(np.load(out / "tiny_ref.npz"))
     ids = ref["ids"].tolist()
@@ -383,10 +383,10 @@ def cmd_check(a):
     for quant in ("f32", "bf16"):
         art = out / f"tiny-{quant}"
         try:
-            r = ModelRunner(art, kv_capacity_tokens=2048, num_slots=6)  # decode through CUDA graphs
+            r = Harness(art, kv_capacity_tokens=2048, num_slots=6)  # decode through CUDA graphs
             got = run_scenarios(r, ids)
             graph_stats = dict(r.decode_graphs.stats) if r.decode_graphs else None
-            r_eager = ModelRunner(art, kv_capacity_tokens=2048, num_slots=6, cuda_graphs=False)
+            r_eager = Harness(art, kv_capacity_tokens=2048, num_slots=6, cuda_graphs=False)
             eager = run_scenarios(r_eager, ids)
             del r_eager
         except Exception as e:  # noqa: BLE001
@@ -590,20 +590,26 @@ def cmd_bench(a):
     kv_per_tok = n_attn * 2 * hkv * dh * kv.element_size()
     state_rw = n_gdn * (hv * dk * dv * 4 + conv_dim * 3 * conv.element_size()) * 2
 
-    from ninfer_mlc.runtime.cuda_graph import GraphedFunction, page_width_bucket
+    from types import SimpleNamespace
+
+    from ninfer_mlc.runtime.executor.cuda_graph import GraphedFunction, page_width_bucket
+    from ninfer_mlc.runtime.executor.inputs import StepInputs
 
     graphs = GraphedFunction(tvm, dev, vm["decode"]) if a.graphs else None
+    max_rows = max(batches + long_b + longest_b)
+    longest = max(a.long_ctx or 0, a.longest_ctx or 0, ctx)
+    inputs = StepInputs(tvm, dev, max_rows, page_width_bucket(-(-longest // PAGE)))
 
     def decode_run(b, c, steps, warm=3):
-        """Eager VM calls, then (with --graphs) the runner's path: inputs copied into the graph's
-        static tensors and one graph launch per step (host copies included in the time)."""
+        """Eager VM calls, then (with --graphs) the runner's path: the step's inputs staged in the
+        runner's persistent buffers (executor/inputs.py) and one graph launch per step (staging included
+        in the time)."""
         npg = -(-c // PAGE)
-        pt = np.zeros((b, page_width_bucket(npg)), np.int32)
-        pt[:, :npg] = np.arange(b * npg, dtype=np.int32).reshape(b, -1)
-        host = [np.random.default_rng(b).integers(0, cfg["vocab_size"], b).astype(np.int32),
-                np.full(b, c - 1, np.int32), pt, np.arange(b, dtype=np.int32)]
+        seqs = [SimpleNamespace(uid=100_000 * b + c + i, slot=i, pages=list(range(i * npg, (i + 1) * npg)),
+                                length=c - 1) for i in range(b)]
+        toks = np.random.default_rng(b).integers(0, cfg["vocab_size"], b).astype(np.int32).tolist()
         persistent = [kv_t, conv_t, ssm_t, params]
-        args = tuple(T(x) for x in host) + tuple(persistent)
+        args = tuple(inputs.decode(seqs, toks, page_width_bucket)) + tuple(persistent)
         for _ in range(warm):
             vm["decode"](*args)
         dev.sync()
@@ -615,10 +621,10 @@ def cmd_bench(a):
         dt = dt_eager
         if graphs is not None:
             for _ in range(3):  # eager, capture + launch, replay
-                graphs(host, persistent)
+                graphs(inputs.decode(seqs, toks, page_width_bucket), persistent)
             ts = time.perf_counter()
             for _ in range(steps):
-                o = graphs(host, persistent)
+                o = graphs(inputs.decode(seqs, toks, page_width_bucket), persistent)
             dev.sync()
             dt = (time.perf_counter() - ts) / steps
         logits = o[0].numpy() if isinstance(o, (list, tuple)) or hasattr(o, "__getitem__") else None

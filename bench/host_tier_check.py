@@ -10,12 +10,12 @@ import sys
 
 import numpy as np
 
-from ninfer_mlc.runtime.host_tier import HostTier
-from ninfer_mlc.runtime.model_runner import ModelRunner
+from ninfer_mlc.runtime.kv.host_tier import HostTier
+from ninfer_mlc.runtime.harness import Harness
 
 
 def main(art: str) -> int:
-    r = ModelRunner(art, kv_capacity_tokens=2048, num_slots=4)
+    r = Harness(art, kv_capacity_tokens=2048, num_slots=4)
     host = HostTier(r, 64, 2, 0, meminfo_reader=lambda: 1 << 40)
     rng = np.random.default_rng(0)
     toks = rng.integers(0, r.vocab_size, 200).tolist()

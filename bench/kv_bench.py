@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_memory import GEOMETRY, gdn_state_bytes  # noqa: E402
 
-from ninfer_mlc.compile.kernels.attention_quant import kv_pool_layout  # noqa: E402
+from ninfer_mlc.contract.pool_layout import kv_row  # noqa: E402
 
 GIB = 1 << 30
 KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
@@ -29,7 +29,7 @@ PAGE_SIZE = 64
 
 
 def geometry_from_manifest(art: Path) -> dict:
-    from ninfer_mlc.runtime.artifact import read_manifest
+    from ninfer_mlc.contract.manifest import read_manifest
 
     m = read_manifest(art, verify="none")
     c = m.config
@@ -43,7 +43,7 @@ def geometry_from_manifest(art: Path) -> dict:
 
 
 def kv_bytes_per_token(g: dict, kv_dtype: str) -> int:
-    storage, row = kv_pool_layout(kv_dtype, g["head_dim"])
+    storage, row = kv_row(kv_dtype, g["head_dim"])
     itemsize = np.dtype(ml_dtypes.bfloat16 if storage == "bfloat16" else storage).itemsize
     return g["attn_layers"] * 2 * g["kv_heads"] * row * itemsize
 
@@ -67,9 +67,9 @@ def report(g: dict, contexts=(262_144, 1_010_000), budget_gib: float | None = No
 
 def measure(art: Path) -> dict:
     """Load the artifact and read its pool's actual page size (its own kv dtype only)."""
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
-    r = ModelRunner(art, kv_capacity_tokens=1, num_slots=1, verify="none")
+    r = Harness(art, kv_capacity_tokens=1, num_slots=1, verify="none")
     return dict(kv_dtype=r.manifest.kv_dtype, kv_shape=list(r.kv_shape), page_bytes=r.page_bytes,
                 bytes_per_token=r.page_bytes // r.page_size)
 

@@ -93,9 +93,9 @@ def _special_rows(rng, n: int, d: int) -> np.ndarray:
 
 def _calls(kv, dt, hq, hkv, d, data, rng):
     """Two calls (ragged prefill of both sequences, then one decode token each): list of arg dicts."""
-    from ninfer_mlc.compile.kernels.attention_quant import kv_pool_layout
+    from ninfer_mlc.contract.pool_layout import kv_row
 
-    _, row = kv_pool_layout(kv, d)
+    _, row = kv_row(kv, d)
     npd = _np_dt(dt)
     pt = np.asarray(PAGES, np.int32)
     calls = []
@@ -142,7 +142,7 @@ def cmd_prep(out: Path):
     from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.compile.kernels.registry import kernel_set
     from ninfer_mlc.compile.targets import cuda_build_env, parse_target
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
     os.environ.pop("NINFER_LIB_CACHE", None)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +193,7 @@ def cmd_prep(out: Path):
             compile_model(hf, target=tgt_name, quant="bf16", kv_dtype=kv, max_context=1024, out_dir=art,
                           name=tag.strip("_"), log=lambda *_: None)
             if tgt_name == "llvm":
-                r = ModelRunner(art, kv_capacity_tokens=512, num_slots=2)
+                r = Harness(art, kv_capacity_tokens=512, num_slots=2)
                 ref[f"{kv}/logits"], ref[f"{kv}/pages_prefill"], ref[f"{kv}/pages"] = _model_run(r, toks)
     np.savez_compressed(out / "model_ref.npz", **ref)
     print(f"prep done in {time.time() - t0:.1f}s", flush=True)
@@ -230,7 +230,7 @@ def cmd_check(prep: Path, out_json: Path) -> int:
 
     tvm = import_tvm("cuda")  # runtime-only TVM needs the CUDA loader registered by hand
 
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
     res = {"kernels": {}, "model": {}}
     ok = True
@@ -264,7 +264,7 @@ def cmd_check(prep: Path, out_json: Path) -> int:
         art = prep / f"cuda-{kv}"
         if not art.is_dir():
             continue
-        r = ModelRunner(art, kv_capacity_tokens=512, num_slots=2)
+        r = Harness(art, kv_capacity_tokens=512, num_slots=2)
         lg, pp, pages = _model_run(r, toks)
         rl = ref[f"{kv}/logits"]
         rel = _rel(lg, rl)

@@ -38,7 +38,7 @@ def build_truncated_drafter(out_dir: Path, keep=(0, 3)) -> Path:
     one full attention), the same embeddings and lm_head, no MTP head."""
     from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.compile.tiny_default import generate
-    from ninfer_mlc.runtime import safetensors_io
+    from ninfer_mlc.contract import safetensors_io
 
     with tempfile.TemporaryDirectory(prefix="ninfer_drafter_") as tmp:
         hf = generate(Path(tmp) / "hf")
@@ -66,11 +66,12 @@ def build_truncated_drafter(out_dir: Path, keep=(0, 3)) -> Path:
 
 def run(model: Path, prompts, max_tokens: int, concurrency: int, spec: str = "none", k: int = 1,
         draft_model: str | None = None, lm_head_draft: str | None = None):
-    from ninfer_mlc.generate import open_engine
-    from ninfer_mlc.runtime.engine import EngineOptions, GenRequest
+    from ninfer_mlc.runtime.assemble import open_engine
+    from ninfer_mlc.runtime.config import EngineConfig
+    from ninfer_mlc.runtime.engine import GenRequest
     from ninfer_mlc.runtime.sampling import SamplingParams
 
-    opts = EngineOptions(max_concurrency=concurrency, max_pending=len(prompts), max_context=2048, host_kv_mib=0,
+    opts = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=2048, host_kv_mib=0,
                          prefix_reuse=False, spec=spec, draft_tokens=k, draft_model=draft_model,
                          lm_head_draft=lm_head_draft)
     eng = open_engine(model, opts)

@@ -87,7 +87,7 @@ def _prep_tiny(a, out: Path) -> None:
     from ninfer_mlc.compile.tiny_default import generate
     from ninfer_mlc.generate import THINK_EARLY_CLOSE, TURN_OPENER
     from ninfer_mlc.paths import default_model_dir
-    from ninfer_mlc.runtime import safetensors_io
+    from ninfer_mlc.contract import safetensors_io
     from ninfer_mlc.runtime.tokenizer import load_tokenizer
 
     t0 = time.time()
@@ -310,7 +310,7 @@ def run_geometry(a, res: dict, deadline: float, save) -> None:
     dev = tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
     tdev = "cuda" if kind == "cuda" else "cpu"
     try:
-        from ninfer_mlc.runtime.cuda_graph import GraphedFunction, page_width_bucket
+        from ninfer_mlc.runtime.executor.cuda_graph import GraphedFunction, page_width_bucket
     except ImportError:
         GraphedFunction, page_width_bucket = None, None
     geo = _load_geometry(a)
@@ -327,7 +327,7 @@ def run_geometry(a, res: dict, deadline: float, save) -> None:
     g["load_seconds"] = round(time.time() - t1, 2)
     t1 = time.time()
     if geo["weights"]:
-        from ninfer_mlc.runtime import safetensors_io
+        from ninfer_mlc.contract import safetensors_io
 
         arrs = {}
         for f in geo["weights"]:

@@ -12,8 +12,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..runtime import safetensors_io
-from ..runtime.artifact import Manifest, write_manifest
+from ..contract import safetensors_io
+from ..contract.manifest import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .model import PAGE_SIZE, Qwen3xForCausalLM

@@ -30,13 +30,12 @@ from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
 from .config import ModelConfig
-from .kernels.attention_quant import kv_pool_layout
+from ..contract.pool_layout import PAGE_SIZE, PoolLayout
 from .kernels.dequant import _GEMV, NVFP4Linear
 from .kernels.registry import kernel_set
 from .nvfp4 import hadamard_matrix
 from .kernels.rope import apply_rope
 
-PAGE_SIZE = 64
 
 
 def _i32(v: int):
@@ -542,17 +541,15 @@ class Qwen3xForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------------------------
     def pool_specs(self) -> dict:
-        cfg = self.cfg
-        kv_dt, row = kv_pool_layout(self.kv_dtype, cfg.head_dim)
+        lay = self.pool_layout()
         return {
-            "kv_pool": nn.spec.Tensor(
-                ["num_pages", len(cfg.attn_layers), 2, cfg.num_key_value_heads, PAGE_SIZE, row], kv_dt),
-            "conv_pool": nn.spec.Tensor(
-                ["num_slots", len(cfg.gdn_layers), cfg.conv_dim, cfg.linear_conv_kernel_dim - 1], self.dtype),
-            "ssm_pool": nn.spec.Tensor(
-                ["num_slots", len(cfg.gdn_layers), cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                 cfg.linear_value_head_dim], "float32"),
+            "kv_pool": nn.spec.Tensor(["num_pages", *lay.kv_page], lay.kv_dtype),
+            "conv_pool": nn.spec.Tensor(["num_slots", *lay.conv_slot], self.dtype),
+            "ssm_pool": nn.spec.Tensor(["num_slots", *lay.ssm_slot], "float32"),
         }
+
+    def pool_layout(self) -> PoolLayout:
+        return PoolLayout.of(self.cfg.to_dict(), self.dtype, self.kv_dtype, PAGE_SIZE)
 
     def export_spec(self) -> dict:
         i32 = "int32"
@@ -582,9 +579,8 @@ class Qwen3xForCausalLM(nn.Module):
         }
 
     def mtp_pool_spec(self):
-        cfg = self.cfg
-        kv_dt, row = kv_pool_layout(self.kv_dtype, cfg.head_dim)
-        return nn.spec.Tensor(["num_pages", 1, 2, cfg.num_key_value_heads, PAGE_SIZE, row], kv_dt)
+        lay = self.pool_layout()
+        return nn.spec.Tensor(["num_pages", *lay.mtp_page], lay.kv_dtype)
 
     def _spec_export_spec(self, pools: dict, mode: dict) -> dict:
         """prefill_h / verify always; the MTP functions when the head is compiled."""

@@ -1,6 +1,6 @@
 """`ninfer bench`: decode and prefill throughput of a compiled artifact, written as JSON.
 
-Measures the runner directly (no HTTP, no sampling): decode tok/s per batch size at a given
+Measures the executor directly through the harness (no scheduler, no HTTP, no sampling): decode tok/s per batch size at a given
 context, prefill tok/s for one long chunked prompt, and the bytes a decode step must move
 (weights + KV read + state read/write) so the figure can be set against a bandwidth floor.
 """
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .runtime.model_runner import ModelRunner
+from .runtime.harness import Harness
 
 
-def _decode_bytes(runner: ModelRunner, batch: int, context: int) -> int:
+def _decode_bytes(runner: Harness, batch: int, context: int) -> int:
     kv_per_token = runner.page_bytes / runner.page_size
     state = runner.conv_slot_bytes + runner.ssm_slot_bytes
     return int(runner.weights_bytes + batch * (context * kv_per_token + 2 * state))
@@ -26,7 +26,7 @@ def run_bench(art_dir: str | Path, batches=(1, 2, 4, 8), context: int = 512, pre
               prefill_chunk: int = 512, steps: int = 16, device: str = "auto") -> dict:
     max_b = max(batches)
     cap = max_b * (context + steps + 64) + prefill_tokens + 128
-    runner = ModelRunner(art_dir, device=device, kv_capacity_tokens=cap, num_slots=max_b + 1)
+    runner = Harness(art_dir, device=device, kv_capacity_tokens=cap, num_slots=max_b + 1, max_batch=max_b)
     rng = np.random.default_rng(0)
     vocab = runner.vocab_size
     out = {"artifact": str(art_dir), "target": runner.manifest.target, "dtype": runner.manifest.dtype,

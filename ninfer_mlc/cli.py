@@ -4,15 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .config import CLIError
 from .paths import default_model_dir
-
-
-class CLIError(SystemExit):
-    """Exit with a one-line message that names the offending flag."""
-
-    def __init__(self, msg: str):
-        print(f"ninfer: error: {msg}", file=sys.stderr)
-        super().__init__(2)
 
 
 def _compile(args) -> int:
@@ -99,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .server.options import add_serve_args
 
-    s = sub.add_parser("serve", help="OpenAI + Anthropic compatible HTTP server")
+    s = sub.add_parser("serve", help="OpenAI + Anthropic compatible HTTP server",
+                       description="Serve a compiled model over the OpenAI and Anthropic APIs.")
     add_serve_args(s)
     s.set_defaults(func=_serve)
     return p

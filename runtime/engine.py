@@ -1,153 +1,42 @@
-"""Continuous-batching engine: admission queue, chunked prefill, batched decode, streaming events.
+"""The engine: a thread that owns the scheduler, the KV manager and the executor, and the handles
+through which other threads submit requests and read their streams.
 
-One background thread owns the model runner; HTTP handlers talk to it only through `submit`
-and the per-request event stream, so no lock is held across a forward pass.
+Each step: the scheduler plans (admission, prefill chunks, decode rows), the executor runs the plan
+(the speculative decoder runs decode rows when speculation is on), the sampler draws, and the
+scheduler commits. HTTP handlers talk to the engine only through `submit`, the request handles and
+`stats()`; no lock is held across a forward pass.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import replace
+from typing import Any, Optional
 
 import numpy as np
 
-from .detokenizer import IncrementalDetokenizer
-from .kv_pages import OutOfPages
-from .model_runner import ModelRunner, SeqKV
-from .prefix_cache import identity_seed
-from .sampling import RowState, Sampler, SamplingParams
-from .stop_strings import StopStringMatcher
-from .tiered_kv import TieredKV
+from ..contract.generation import GenerationDefaults
+from .config import EngineConfig
+from .errors import ContextTooLong, EngineStopped, InvalidRequest, QueueFull
+from .executor.model_runner import ModelRunner
+from .kv.manager import KVManager
+from .sampling import Sampler
+from .scheduler.request import Delta, Finished, GenRequest, Request
+from .scheduler.scheduler import RowResult, Scheduler, StepPlan, ThinkControl
+from .stats import Counters, EngineStats, ModelInfo, SpecCounters
 
+log = logging.getLogger("ninfer.engine")
 
-class EngineError(RuntimeError):
-    """Base of the errors the server maps to HTTP statuses."""
-
-    status = 500
-    code = "engine_error"
-
-
-class QueueFull(EngineError):
-    status, code = 429, "server_overloaded"
-
-
-class QueueTimeout(EngineError):
-    status, code = 503, "request_queue_timeout"
-
-
-class ContextTooLong(EngineError):
-    status, code = 400, "context_length_exceeded"
-
-
-class EngineStopped(EngineError):
-    status, code = 503, "engine_stopped"
-
-
-@dataclass
-class EngineOptions:
-    max_concurrency: int = 4
-    max_pending: int = 16
-    pending_timeout_ms: int = 30000
-    prefill_chunk: int = 512
-    max_context: int = 8192
-    default_max_tokens: int = 8192
-    # tiered KV / prefix reuse
-    prefix_reuse: bool = True
-    device_state_slots: Optional[int] = None  # extra device slots for cached states (default = max_concurrency)
-    host_kv_mib: float = 1024
-    host_state_slots: int = 8
-    host_ram_reserve_mib: float = 2048
-    max_cache_entries: int = 64
-    # speculative decoding (runtime/speculative.py)
-    spec: str = "none"  # none | mtp (the model's MTP head) | draft (a second compiled model, draft_model)
-    draft_tokens: int = 3  # drafts proposed per round, 1..5
-    draft_model: Optional[str] = None  # --spec draft: compiled drafter directory (same tokenizer)
-    lm_head_draft: Optional[str] = None  # --spec mtp: shortlisted proposal head (N lowest ids, or a file of ids)
-
-    def validate(self) -> None:
-        if not 1 <= self.max_concurrency <= 8:
-            raise ValueError("--max-concurrency must be in 1..8")
-        if self.max_pending < 0:
-            raise ValueError("--max-pending-requests must be >= 0")
-        if self.pending_timeout_ms < 1:
-            raise ValueError("--pending-timeout-ms must be >= 1")
-        if self.prefill_chunk < 1:
-            raise ValueError("--prefill-chunk must be >= 1")
-        if self.max_context < 2:
-            raise ValueError("--max-context must be >= 2")
-        if self.device_state_slots is not None and self.device_state_slots < 0:
-            raise ValueError("--device-state-slots must be >= 0")
-        if self.host_kv_mib < 0 or self.host_state_slots < 0 or self.host_ram_reserve_mib < 0:
-            raise ValueError("--host-kv-mib, --host-state-slots and --host-ram-reserve-mib must be >= 0")
-        self._validate_spec()
-
-    def _validate_spec(self) -> None:
-        from pathlib import Path
-
-        from .speculative import MAX_DRAFT_TOKENS, SPEC_METHODS
-
-        if self.spec not in SPEC_METHODS:
-            raise ValueError(f"--spec must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
-        if isinstance(self.draft_tokens, bool) or not isinstance(self.draft_tokens, int) or \
-                not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
-            raise ValueError(f"--draft-tokens must be an integer in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
-        if self.spec == "draft":
-            if not self.draft_model:
-                raise ValueError("--spec draft needs --draft-model DIR (a compiled model with the same tokenizer)")
-            if not (Path(self.draft_model) / "manifest.json").is_file():
-                raise ValueError(f"--draft-model {self.draft_model}: not a compiled model directory (no manifest.json)")
-        elif self.draft_model:
-            raise ValueError("--draft-model is only used with --spec draft")
-        if self.lm_head_draft is not None:
-            if self.spec != "mtp":
-                raise ValueError("--lm-head-draft is only used with --spec mtp")
-            v = str(self.lm_head_draft).strip()
-            if v.isdigit() and int(v) < 1 or not v.isdigit() and not Path(v).is_file():
-                raise ValueError(f"--lm-head-draft must be a positive token count or a file of token ids, got {v!r}")
-
-    @property
-    def device_slots(self) -> int:
-        extra = self.max_concurrency if self.device_state_slots is None else self.device_state_slots
-        spec = self.max_concurrency if self.spec != "none" else 0  # pre-verification state snapshots
-        return self.max_concurrency + (extra if self.prefix_reuse else 0) + spec
-
-
-# ---- events ------------------------------------------------------------------------------
-@dataclass
-class Delta:
-    text: str
-    token_ids: list[int]
-    logprobs: list = field(default_factory=list)
-
-
-@dataclass
-class Finished:
-    reason: str  # stop | length | cancelled | error
-    usage: dict
-    timings: dict
-    stop_matched: Optional[str] = None
-    error: Optional[str] = None
-
-
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    request_id: str = ""
-    session_key: Optional[str] = None
-    skip_special_tokens: bool = True
-    thinking_budget: Optional[int] = None  # reasoning tokens before the engine closes </think> itself
-    started_in_think: bool = False  # the prompt's generation prompt opened <think>
-    cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
+__all__ = ["Engine", "RequestHandle", "GenRequest", "Delta", "Finished"]
 
 
 class RequestHandle:
-    """What `submit` returns: the event stream of one request, plus cancel()."""
+    """What `submit` returns: the event stream of one request (async or blocking), plus cancel()."""
 
     def __init__(self, engine: "Engine", req_id: int, loop: Optional[asyncio.AbstractEventLoop]):
         self._engine, self.id = engine, req_id
@@ -155,11 +44,13 @@ class RequestHandle:
         self._aq: Optional[asyncio.Queue] = asyncio.Queue() if loop else None
         self._sq: "queue.SimpleQueue" = queue.SimpleQueue()
         self.admitted = threading.Event()
-        self._admit_error: Optional[EngineError] = None
         self.finished: Optional[Finished] = None
 
-    # called on the engine thread
-    def _push(self, ev) -> None:
+    # ---- engine thread -------------------------------------------------------------------
+    def push(self, ev: Any) -> None:
+        if isinstance(ev, Finished):
+            self.finished = ev
+            self._engine._on_finished(self)
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
@@ -168,11 +59,14 @@ class RequestHandle:
         else:
             self._sq.put(ev)
 
-    def _admit(self, err: Optional[EngineError] = None) -> None:
-        self._admit_error = err
+    def admit(self, err: Optional[Exception] = None) -> None:
+        if self.admitted.is_set():
+            return
         self.admitted.set()
-        self._push(("admitted", err))
+        self._engine._on_admitted(err is None)
+        self.push(("admitted", err))
 
+    # ---- any thread ------------------------------------------------------------------------
     def cancel(self) -> None:
         self._engine._cancel(self.id)
 
@@ -208,81 +102,53 @@ class RequestHandle:
                 return
 
 
-# ---- per-request engine state ------------------------------------------------------------
-class _Active:
-    def __init__(self, rid: int, req: GenRequest, handle: RequestHandle, max_tokens: int, stop_ids: set,
-                 tokenizer):
-        self.rid, self.req, self.handle = rid, req, handle
-        self.max_tokens = max_tokens
-        self.stop_ids = stop_ids
-        self.row = RowState(req.params, prompt_token_ids=req.prompt_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_ids[-8:], skip_special_tokens=req.skip_special_tokens)
-        self.stops = StopStringMatcher(req.params.stop)
-        self.seq: Optional[SeqKV] = None
-        self.feed: list[int] = list(req.prompt_ids)  # tokens still to prefill
-        self.generated: list[int] = []
-        self.t_submit = time.monotonic()
-        self.t_admit = 0.0
-        self.t_first = 0.0
-        self.t_prefill_done = 0.0
-        self.prompt_computed = 0
-        self.cached_tokens = 0
-        self.pending_token: Optional[int] = None  # sampled, not yet fed to decode
-        self.preemptions = 0
-        self.identity = identity_seed(req.cache_mode)
-        self.in_think = req.started_in_think
-        self.think_tokens = 0
-        self.forced: list[int] = []
-        self.ckpt_at: Optional[int] = None
-
-    def fed_tokens(self) -> list[int]:
-        """Prompt + generated tokens whose KV/state the sequence holds (or must hold)."""
-        unfed = 1 if self.pending_token is not None else 0
-        return list(self.req.prompt_ids) + self.generated[: len(self.generated) - unfed]
-
-    @property
-    def decoding(self) -> bool:
-        return not self.feed and self.pending_token is not None
-
-
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer, options: EngineOptions, eos_ids: list[int],
-                 kv: Optional[TieredKV] = None, turn_opener: Optional[list[int]] = None):
-        options.validate()
-        self.runner, self.tok, self.opt = runner, tokenizer, options
-        self.kv = kv or TieredKV(runner, None, None)
-        self.turn_opener = list(turn_opener or [])
+    def __init__(self, runner: ModelRunner, kv: KVManager, tokenizer, cfg: EngineConfig, eos_ids: list[int], *,
+                 turn_start: Optional[list[int]] = None, think: Optional[ThinkControl] = None,
+                 model_info: Optional[ModelInfo] = None, generation: Optional[GenerationDefaults] = None):
+        cfg.validate()
+        self.runner, self.kv, self.tok, self.cfg = runner, kv, tokenizer, cfg
+        self.max_context = min(cfg.max_context or runner.manifest.max_context, runner.manifest.max_context)
         self.eos_ids = set(eos_ids)
+        self.generation = generation or GenerationDefaults(sorted(self.eos_ids))  # the model's sampling defaults
         self.sampler = Sampler()
+        self.counters = Counters()
+        self.spec_counters = SpecCounters()
+        self.model_info = model_info or ModelInfo()
+        self.spec = None
+        if cfg.spec != "none":
+            from .spec.decoder import SpeculativeDecoder, make_proposer
+
+            self.spec = SpeculativeDecoder(runner, kv, make_proposer(cfg, runner, kv, sorted(self.eos_ids)),
+                                           cfg.draft_tokens, self.sampler, self.spec_counters)
+        self.scheduler = Scheduler(kv, self.counters, max_concurrency=cfg.max_concurrency,
+                                   prefill_chunk=cfg.prefill_chunk, max_context=self.max_context,
+                                   pending_timeout_ms=cfg.pending_timeout_ms, turn_start=turn_start, think=think,
+                                   spec=self.spec)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._pending: deque[_Active] = deque()
-        self._active: dict[int, _Active] = {}
+        self._stats_ready = threading.Condition(self._lock)
+        self._inbox: deque[Request] = deque()
         self._cancelled: set[int] = set()
+        self._queued = 0  # submitted, not yet admitted or rejected
+        self._live = 0  # admitted, not yet finished
         self._running = False
         self._thread: Optional[threading.Thread] = None
-        self.stats = {
-            "requests_total": 0, "requests_finished": 0, "requests_cancelled": 0, "requests_rejected_queue_full": 0,
-            "requests_queue_timeout": 0, "computed_prefill_tokens": 0, "committed_decode_tokens": 0,
-            "decode_rounds": 0, "decode_row_rounds": 0, "prefill_rounds": 0, "preemptions": 0,
-            "queue_time_ms_last": 0.0, "queue_time_ms_max": 0.0,
-        }
-        self.think_close: list[int] = []  # early-close text ending in </think> (set by open_engine)
-        self.think_end_id: Optional[int] = None
-        self.spec = None  # speculative decoding (runtime/speculative.py), when options.spec != "none"
-        if options.spec != "none":
-            from .speculative import Speculator
+        self._stats_wanted = False
+        self._stats: Optional[EngineStats] = None
 
-            self.spec = Speculator(self)
+    @property
+    def running(self) -> bool:
+        return self._running
 
     # ---- lifecycle ---------------------------------------------------------------------
-    def start(self) -> None:
-        if self._running:
-            return
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
-        self._thread.start()
+    def start(self) -> "Engine":
+        if not self._running:
+            self._running = True
+            self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+            self._thread.start()
+        return self
 
     def stop(self) -> None:
         with self._wake:
@@ -290,34 +156,39 @@ class Engine:
             self._wake.notify_all()
         if self._thread:
             self._thread.join(timeout=30)
-        for a in list(self._pending) + list(self._active.values()):
-            self._finish(a, "error", error="engine stopped")
-        self._pending.clear()
+        with self._lock:
+            inbox, self._inbox = list(self._inbox), deque()
+        for r in inbox:
+            self.scheduler.add(r)
+        self.scheduler.stop_all("engine stopped")
 
-    # ---- public API (any thread) ------------------------------------------------------------
+    # ---- any thread ------------------------------------------------------------------------
     def submit(self, req: GenRequest, loop: Optional[asyncio.AbstractEventLoop] = None) -> RequestHandle:
         if not self._running:
-            raise EngineStopped("engine is not running")
+            raise EngineStopped()
         n = len(req.prompt_ids)
         if n == 0:
-            raise ContextTooLong("the prompt is empty")
-        if n >= self.opt.max_context:
-            raise ContextTooLong(
-                f"prompt has {n} tokens; the maximum context is {self.opt.max_context} tokens (--max-context)")
-        room = self.opt.max_context - n
-        mt = req.params.max_tokens or self.opt.default_max_tokens
-        max_tokens = max(1, min(mt, room))
+            raise InvalidRequest("the prompt is empty")
+        ids = np.asarray(req.prompt_ids)
+        if ids.min() < 0 or ids.max() >= self.runner.vocab_size:
+            raise InvalidRequest(f"prompt token ids must lie in [0, {self.runner.vocab_size})")
+        if n >= self.max_context:
+            with self._lock:
+                self.counters.requests_rejected_context += 1
+            raise ContextTooLong(n, self.max_context)
+        room = self.max_context - n
+        max_tokens = max(1, min(req.params.max_tokens or self.cfg.default_max_tokens, room))
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
-        a = _Active(rid, req, handle, max_tokens, stop_ids, self.tok)
+        r = Request(rid, req, handle, max_tokens, stop_ids, self.tok)
         with self._wake:
-            waiting = len(self._pending)
-            if waiting >= self.opt.max_pending and len(self._active) >= self.opt.max_concurrency:
-                self.stats["requests_rejected_queue_full"] += 1
-                raise QueueFull(f"{waiting} requests are already waiting (--max-pending-requests)")
-            self.stats["requests_total"] += 1
-            self._pending.append(a)
+            if self._queued >= self.cfg.max_pending_requests and self._live >= self.cfg.max_concurrency:
+                self.counters.requests_rejected_queue_full += 1
+                raise QueueFull(self._queued)
+            self.counters.requests_total += 1
+            self._queued += 1
+            self._inbox.append(r)
             self._wake.notify_all()
         return handle
 
@@ -326,268 +197,102 @@ class Engine:
             self._cancelled.add(rid)
             self._wake.notify_all()
 
-    def snapshot(self) -> dict:
+    def _on_admitted(self, ok: bool) -> None:
         with self._lock:
-            acts = list(self._active.values())  # one C-level copy: the engine thread mutates the dict
-            return {
-                "running": len(acts),
-                "prefilling": sum(1 for a in acts if a.feed),
-                "decode_ready": sum(1 for a in acts if a.decoding),
-                "waiting": len(self._pending),
-                **self.stats,
-            }
+            self._queued -= 1
+            if ok:
+                self._live += 1
 
-    # ---- engine thread ---------------------------------------------------------------------
+    def _on_finished(self, handle: RequestHandle) -> None:
+        if handle.admitted.is_set():
+            with self._lock:
+                self._live -= 1
+
+    def stats(self, timeout: float = 2.0) -> EngineStats:
+        """A snapshot taken by the engine thread between steps (the previous one if a step runs longer
+        than `timeout`); taken here only when no engine thread runs."""
+        with self._lock:
+            if self._running and self._thread is not None and self._thread is not threading.current_thread():
+                self._stats_wanted = True
+                self._wake.notify_all()
+                self._stats_ready.wait_for(lambda: not self._stats_wanted, timeout=timeout)
+                if self._stats is not None:
+                    return self._stats
+        return self._take_stats()
+
+    # ---- engine thread -------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while self._running and not self._pending and not self._active and not self._cancelled:
+                while (self._running and not self._inbox and self.scheduler.idle() and not self._cancelled
+                       and not self._stats_wanted):
                     self._wake.wait(timeout=0.5)
                 if not self._running:
                     return
                 cancelled, self._cancelled = self._cancelled, set()
+                inbox, self._inbox = list(self._inbox), deque()
+                wanted = self._stats_wanted
+            for r in inbox:
+                self.scheduler.add(r)
+            for rid in cancelled:
+                self.scheduler.cancel(rid)
+            if wanted:
+                self._publish_stats()
             try:
-                self._apply_cancellations(cancelled)
-                self._expire_and_admit()
-                if any(a.feed for a in self._active.values()):
-                    self._prefill_step()
-                if any(a.decoding for a in self._active.values()):
-                    self._decode_step()
+                self._step()
             except Exception as e:  # a bug must not wedge every client: fail the batch, keep serving
-                import traceback
+                log.exception("engine step failed")
+                self.counters.step_failures += 1
+                self.scheduler.fail_running(f"{type(e).__name__}: {e}")
 
-                traceback.print_exc()
-                for a in list(self._active.values()):
-                    self._finish(a, "error", error=f"{type(e).__name__}: {e}")
-
-    def _apply_cancellations(self, rids: set) -> None:
-        if not rids:
-            return
-        for a in list(self._pending):
-            if a.rid in rids:
-                self._pending.remove(a)
-                self._finish(a, "cancelled")
-        for rid in rids:
-            a = self._active.get(rid)
-            if a is not None:
-                self._finish(a, "cancelled")
-
-    def _expire_and_admit(self) -> None:
-        now = time.monotonic()
-        limit = self.opt.pending_timeout_ms / 1000.0
+    def _publish_stats(self) -> None:
+        snap = self._take_stats()
         with self._lock:
-            expired = [a for a in self._pending if now - a.t_submit > limit]
-            for a in expired:
-                self._pending.remove(a)
-        for a in expired:
-            self.stats["requests_queue_timeout"] += 1
-            a.handle._admit(QueueTimeout(f"request waited {limit:.1f}s in the queue (--pending-timeout-ms)"))
-            self.stats["requests_finished"] += 1
-        while len(self._active) < self.opt.max_concurrency:
-            with self._lock:
-                if not self._pending:
-                    return
-                a = self._pending[0]
-            need = self.runner.pages.pages_for(len(a.req.prompt_ids) + 1)
-            if need > self.runner.pages.num_pages:
-                with self._lock:
-                    self._pending.popleft()
-                a.handle._admit(ContextTooLong(f"prompt needs {need} KV pages; the pool has {self.runner.pages.num_pages}"))
-                continue
-            if not self.kv.make_room(slots=1):
-                return  # wait for running requests to release a state slot
-            with self._lock:
-                self._pending.popleft()
-            history = a.fed_tokens()
-            resumed = a.pending_token is not None
-            a.seq = self.kv.acquire(history, a.identity, a.req.session_key,
-                                    max_reuse=len(history) if resumed else len(history) - 1)
-            a.feed = history[a.seq.length:]
-            if not a.t_admit:  # first admission (a preempted request keeps its figures)
-                a.cached_tokens = a.seq.length
-                b = self._turn_boundary(a.req.prompt_ids)
-                a.ckpt_at = b if b is not None and a.seq.length < b < len(a.req.prompt_ids) else None
-                a.t_admit = time.monotonic()
-                q_ms = (a.t_admit - a.t_submit) * 1000
-                self.stats["queue_time_ms_last"] = q_ms
-                self.stats["queue_time_ms_max"] = max(self.stats["queue_time_ms_max"], q_ms)
-                a.handle._admit(None)
-            self._active[a.rid] = a
+            self._stats, self._stats_wanted = snap, False
+            self._stats_ready.notify_all()
 
-    def _turn_boundary(self, prompt: list[int]) -> Optional[int]:
-        """Index of the last assistant-turn opener: the checkpoint position for the next turn."""
-        k = len(self.turn_opener)
-        if not k:
-            return None
-        for i in range(len(prompt) - k, -1, -1):
-            if prompt[i:i + k] == self.turn_opener:
-                return i
-        return None
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan:
+            self.scheduler.update(plan, self._execute(plan))
 
-    def _prefill_step(self) -> None:
-        budget = self.opt.prefill_chunk
-        batch: list[tuple[_Active, list[int]]] = []
-        for a in list(self._active.values()):
-            if not a.feed or budget <= 0 or a.rid not in self._active:
-                continue
-            limit = budget
-            if a.ckpt_at is not None and a.seq.length < a.ckpt_at:
-                limit = min(limit, a.ckpt_at - a.seq.length)  # stop exactly at the turn boundary
-            take = a.feed[:limit]
-            if not self._reserve(a, len(take), protect={b.rid for b, _ in batch}):
-                continue
-            batch.append((a, take))
-            budget -= len(take)
-        if not batch:
-            return
-        if self.spec is not None:
-            logits = self.spec.prefill(batch)
-        else:
-            logits = self.runner.prefill([(a.seq, t) for a, t in batch])
-        self.stats["prefill_rounds"] += 1
-        done_rows, done = [], []
-        for (a, take), lg in zip(batch, logits):
-            a.feed = a.feed[len(take):]
-            a.prompt_computed += len(take)
-            self.stats["computed_prefill_tokens"] += len(take)
-            if a.ckpt_at is not None and a.seq.length == a.ckpt_at:
-                self.kv.checkpoint(a.seq, a.req.prompt_ids, a.identity, a.req.session_key)
-                a.ckpt_at = None
-            if not a.feed and a.pending_token is None:  # a resumed request already holds its next token
-                a.t_prefill_done = a.t_prefill_done or time.monotonic()
-                done_rows.append(lg)
-                done.append(a)
-        if done:
-            self._sample_and_emit(done, np.stack(done_rows))
+    def _execute(self, plan: StepPlan) -> dict[int, RowResult]:
+        """Run the plan on the executor and sample; returns what each row produced."""
+        results: dict[int, RowResult] = {}
+        if plan.prefill:
+            batch = [(w.req, w.tokens) for w in plan.prefill]
+            if self.spec is not None:
+                logits = self.spec.prefill(batch)
+            else:
+                logits = self.runner.prefill([(r.seq, t) for r, t in batch])
+            done = [(w.req, lg) for w, lg in zip(plan.prefill, logits) if w.samples]
+            if done:
+                results.update(self._sample([r for r, _ in done], np.stack([lg for _, lg in done])))
+        if plan.decode:
+            if self.spec is not None:
+                results.update(self.spec.round(plan.decode))
+            else:
+                rows = [w.req for w in plan.decode]
+                logits = self.runner.decode([r.seq for r in rows], [w.feed[-1] for w in plan.decode])
+                results.update(self._sample(rows, logits, fed=1))
+        return results
 
-    def _decode_step(self) -> None:
-        if self.spec is not None:  # draft + one batched verification per round
-            return self.spec.decode_step()
-        rows = [a for a in self._active.values() if a.decoding]
-        ok = []
-        for a in rows:
-            if a.rid in self._active and self._reserve(a, 1, protect={b.rid for b in ok}):
-                ok.append(a)
-        rows = [a for a in ok if a.rid in self._active]
-        if not rows:
-            return
-        logits = self.runner.decode([a.seq for a in rows], [a.pending_token for a in rows])
-        self.stats["decode_rounds"] += 1
-        self.stats["decode_row_rounds"] += len(rows)
-        for a in rows:
-            a.pending_token = None
-        self._sample_and_emit(rows, logits)
+    def _sample(self, reqs: list[Request], logits: np.ndarray, fed: int = 0) -> dict[int, RowResult]:
+        want_lp = any(r.params.logprobs or r.params.top_logprobs > 0 for r in reqs)
+        res = self.sampler.sample(logits, [r.row for r in reqs], return_logprobs=want_lp)
+        toks, lps = res if want_lp else (res, [None] * len(reqs))
+        return {r.rid: RowResult([int(t)], [lp], fed=fed) for r, t, lp in zip(reqs, toks, lps)}
 
-    def _reserve(self, a: _Active, n: int, protect: set) -> bool:
-        """Pages for n more tokens of a, preempting other requests (never those in `protect`)."""
-        while True:
-            try:
-                self.runner.reserve(a.seq, n)
-                return True
-            except OutOfPages:
-                need = self.runner.pages.pages_for(a.seq.length + n) - len(a.seq.pages)
-                if self.kv.make_room(pages=need):
-                    continue
-                victims = [v for v in self._active.values() if v is not a and v.rid not in protect]
-                if not victims:
-                    return False
-                self._preempt(max(victims, key=lambda v: v.t_admit))
-
-    def _preempt(self, v: _Active) -> None:
-        """Send v back to the head of the queue. Its sequence is released like a finished one
-        (kept as a cache entry, spilled to host under pressure), so readmission restores it
-        instead of recomputing whenever the entry survives."""
-        self.kv.release(v.seq, v.fed_tokens(), v.identity, v.req.session_key)
-        v.seq = None
-        v.preemptions += 1
-        self.stats["preemptions"] += 1
-        del self._active[v.rid]
-        with self._lock:
-            self._pending.appendleft(v)
-
-    def _sample_and_emit(self, acts: list[_Active], logits: np.ndarray) -> None:
-        want_lp = any(a.req.params.logprobs for a in acts)
-        res = self.sampler.sample(logits, [a.row for a in acts], return_logprobs=want_lp)
-        toks, lps = (res if want_lp else (res, [None] * len(acts)))
-        now = time.monotonic()
-        for a, t, lp in zip(acts, toks, lps):
-            self._commit_token(a, self._apply_thinking_budget(a, int(t)), lp, now)
-
-    def _apply_thinking_budget(self, a: _Active, t: int) -> int:
-        """Past its reasoning budget a request gets Qwen's early-close text and </think> instead of
-        what it sampled (one forced token per step, so KV and state follow the forced text)."""
-        budget = a.req.thinking_budget
-        if (not a.forced and budget is not None and self.think_end_id is not None and a.in_think
-                and a.think_tokens >= budget):
-            a.forced = list(self.think_close)
-        if a.forced:
-            forced = a.forced.pop(0)
-            if forced != t:  # the sampler recorded its own draw: keep penalties on what is fed
-                a.row.rollback(1)
-                a.row.append(forced)
-            t = forced
-        if a.in_think:
-            a.think_tokens += 1
-            a.in_think = t != self.think_end_id
-        return t
-
-    def _commit_token(self, a: _Active, t: int, lp, now: float) -> bool:
-        """Record one sampled token: stream it, apply stop tokens/strings and the length limit.
-        Returns False when the request finished."""
-        if not a.t_first:
-            a.t_first = now
-        a.generated.append(t)
-        self.stats["committed_decode_tokens"] += 1
-        if t in a.stop_ids:
-            emit, stopped, matched = a.stops.feed(a.detok.flush())
-            emit += "" if stopped else a.stops.flush()
-            if emit:
-                a.handle._push(Delta(emit, [], []))
-            self._finish(a, "stop")
-            return False
-        text = a.detok.add(t)
-        emit, stopped, matched = a.stops.feed(text)
-        if emit or lp is not None:
-            a.handle._push(Delta(emit, [t], [lp] if lp is not None else []))
-        if stopped:
-            self._finish(a, "stop", stop_matched=matched)
-            return False
-        if len(a.generated) >= a.max_tokens:
-            rest = a.stops.feed(a.detok.flush())[0] + a.stops.flush()
-            if rest:
-                a.handle._push(Delta(rest, [], []))
-            self._finish(a, "length")
-            return False
-        a.pending_token = t
-        return True
-
-    def _finish(self, a: _Active, reason: str, stop_matched: Optional[str] = None, error: Optional[str] = None) -> None:
-        self._active.pop(a.rid, None)
-        spec_t = self.spec.on_finish(a) if self.spec is not None else {}  # before the state is released
-        if a.seq is not None:
-            # an engine error may have interrupted an in-place forward: never cache that state
-            self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key,
-                            keep=reason != "error")
-            a.seq = None
-        if not a.handle.admitted.is_set():
-            a.handle._admit(None)
-        end = time.monotonic()
-        t_first = a.t_first or end
-        prompt_ms = ((a.t_prefill_done or t_first) - (a.t_admit or end)) * 1000
-        pred_ms = (end - t_first) * 1000
-        n_out = len(a.generated)
-        usage = {"prompt_tokens": len(a.req.prompt_ids), "completion_tokens": n_out,
-                 "total_tokens": len(a.req.prompt_ids) + n_out, "cached_tokens": a.cached_tokens}
-        timings = {
-            "cache_n": a.cached_tokens, "prompt_n": a.prompt_computed, "prompt_ms": round(prompt_ms, 3),
-            "prompt_per_second": round(a.prompt_computed / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
-            "predicted_n": n_out, "predicted_ms": round(pred_ms, 3),
-            "predicted_per_second": round((n_out - 1) / pred_ms * 1000, 3) if pred_ms > 0 and n_out > 1 else 0.0,
-            "queue_ms": round(((a.t_admit or end) - a.t_submit) * 1000, 3),
-            "draft_n": 0, "draft_n_accepted": 0, **spec_t,
-        }
-        if reason == "cancelled":
-            self.stats["requests_cancelled"] += 1
-        self.stats["requests_finished"] += 1
-        a.handle.finished = Finished(reason, usage, timings, stop_matched, error)
-        a.handle._push(a.handle.finished)
+    # ---- statistics ------------------------------------------------------------------------------
+    def _take_stats(self) -> EngineStats:
+        kv = self.kv
+        cache, host = kv.cache, kv.host
+        graphs = self.runner.decode_graphs
+        g = {"enabled": graphs is not None, "graphs": len(graphs.graph_nodes()) if graphs else 0,
+             **(dict(graphs.stats) if graphs else {})}
+        return EngineStats(
+            taken_unix_ms=int(time.time() * 1000), running=self._running, scheduler=self.scheduler.state(),
+            counters=replace(self.counters), spec=replace(self.spec_counters), model=self.model_info,
+            cache=cache.summary() if cache is not None else {}, planner=dict(kv.stats), occupancy=kv.occupancy(),
+            transfers=dict(host.stats) if host is not None else {},
+            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g)

@@ -42,6 +42,9 @@ __all__ = [
     "Sampler",
     "probs_after_processing",
     "sample_from_probs",
+    "argmax",
+    "needs_logit_edit",
+    "log_softmax_top",
     "MAX_STOP_STRINGS",
     "MAX_TOP_LOGPROBS",
 ]
@@ -320,9 +323,12 @@ def resolve_sampling_params(request: Optional[Mapping[str, Any]] = None,
                             overrides: Optional[Mapping[str, Any]] = None,
                             family: Optional[str] = None,
                             thinking: bool | str = True,
-                            vocab_size: Optional[int] = None) -> SamplingParams:
-    """request > process overrides (CLI / server config) > family preset > defaults."""
-    return merge_sampling_params(get_preset(family, thinking), overrides, request, vocab_size=vocab_size)
+                            vocab_size: Optional[int] = None,
+                            model_defaults: Optional[Mapping[str, Any]] = None) -> SamplingParams:
+    """request > process overrides (CLI / server config) > family preset > the model's
+    generation_config.json defaults > dataclass defaults."""
+    return merge_sampling_params(model_defaults, get_preset(family, thinking), overrides, request,
+                                 vocab_size=vocab_size)
 
 
 # ---------------------------------------------------------------------------------------
@@ -436,7 +442,7 @@ class TokenLogprobs:
 # ---------------------------------------------------------------------------------------
 # Processing
 # ---------------------------------------------------------------------------------------
-def _needs_logit_edit(params: SamplingParams, state: Optional[RowState]) -> bool:
+def needs_logit_edit(params: SamplingParams, state: Optional[RowState]) -> bool:
     if params.logit_bias:
         return True
     if state is None:
@@ -451,7 +457,7 @@ def _penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[R
 
     Returns ``row`` itself (not a copy) when nothing applies.
     """
-    if not _needs_logit_edit(params, state):
+    if not needs_logit_edit(params, state):
         return row
     x = np.array(row, dtype=np.float32, copy=True)
     V = x.shape[0]
@@ -476,7 +482,7 @@ def _penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[R
     return x
 
 
-def _argmax(x: np.ndarray) -> int:
+def argmax(x: np.ndarray) -> int:
     """Argmax, ties -> lowest id; NaN logits are treated as -inf."""
     i = int(np.argmax(x))
     if np.isnan(x[i]):
@@ -524,7 +530,7 @@ def _filtered_distribution(x: np.ndarray, params: SamplingParams) -> tuple[np.nd
         vals = x.astype(np.float64)
     m = vals.max()
     if not np.isfinite(m):  # every logit -inf (or +inf): fall back to argmax
-        i = _argmax(x)
+        i = argmax(x)
         return np.array([i], dtype=np.int64), np.ones(1)
     t = float(params.temperature)
     z = (vals - m) / t if t != 1.0 else vals - m
@@ -616,14 +622,14 @@ def probs_after_processing(logits_row: np.ndarray, params: SamplingParams,
     x = _penalised_logits(row, params, state)
     out = np.zeros(row.shape[0], dtype=np.float64)
     if params.temperature == 0:
-        out[_argmax(x)] = 1.0
+        out[argmax(x)] = 1.0
         return out
     ids, p = _filtered_distribution(x, params)
     out[ids] = p
     return out
 
 
-def _log_softmax_top(x: np.ndarray, token: int, n_top: int) -> TokenLogprobs:
+def log_softmax_top(x: np.ndarray, token: int, n_top: int) -> TokenLogprobs:
     xd = x.astype(np.float64)
     if np.isnan(xd).any():
         xd = np.where(np.isnan(xd), -np.inf, xd)
@@ -687,7 +693,7 @@ class Sampler:
 
         # Fast path: plain greedy rows (no bias / penalties) in one vectorised argmax.
         plain_greedy = [i for i, r in enumerate(rows)
-                        if r.params.temperature == 0 and not _needs_logit_edit(r.params, r)]
+                        if r.params.temperature == 0 and not needs_logit_edit(r.params, r)]
         if plain_greedy:
             idx = np.asarray(plain_greedy)
             sub = logits[idx]
@@ -695,7 +701,7 @@ class Sampler:
             for j, i in enumerate(plain_greedy):
                 t = int(am[j])
                 if np.isnan(sub[j, t]):
-                    t = _argmax(sub[j])
+                    t = argmax(sub[j])
                 out[i] = t
         done = set(plain_greedy)
 
@@ -706,7 +712,7 @@ class Sampler:
             if i not in done:
                 x = _penalised_logits(row, params, r)
                 if params.temperature == 0:
-                    out[i] = _argmax(x)
+                    out[i] = argmax(x)
                 else:
                     ids, p = _filtered_distribution(x, params)
                     out[i] = _draw(ids, p, float(r.rng.random()))
@@ -717,7 +723,7 @@ class Sampler:
                     if x is None:
                         x = _penalised_logits(row, params, r)
                     src = x if params.temperature in (0, 1.0) else x.astype(np.float64) / params.temperature
-                lps[i] = _log_softmax_top(src, int(out[i]), int(params.top_logprobs))
+                lps[i] = log_softmax_top(src, int(out[i]), int(params.top_logprobs))
 
         if update_state:
             for i, r in enumerate(rows):

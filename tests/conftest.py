@@ -19,11 +19,11 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def server_engine():
-    from ninfer_mlc.generate import open_engine
+    from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.paths import default_model_dir
-    from ninfer_mlc.runtime.engine import EngineOptions
+    from ninfer_mlc.runtime.config import EngineConfig
 
-    eng = open_engine(default_model_dir(), EngineOptions(max_concurrency=4, max_context=1024, host_kv_mib=64))
+    eng = open_engine(default_model_dir(), EngineConfig(max_concurrency=4, max_context=1024, host_kv_mib=64))
     yield eng
     eng.stop()
 

@@ -107,7 +107,7 @@ def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, kv_dtype):
     from hf_tiny import GEOMETRY
 
     from ninfer_mlc.compile.build import compile_model
-    from ninfer_mlc.compile.kernels.attention_quant import kv_pool_layout
+    from ninfer_mlc.contract.pool_layout import kv_row
 
     cuda, llvm = kernel_set("cuda", kv_dtype), kernel_set("llvm", kv_dtype)
     for args in ((4, 2, 32, 64, 3, "float32", 0.1), (24, 4, 256, 64, 3, "bfloat16", 1 / 16)):
@@ -124,7 +124,7 @@ def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, kv_dtype):
                         name=f"tiny-{kv_dtype}", log=lambda *_: None)
     m = json.loads((art / "manifest.json").read_text())
     assert m["kv_dtype"] == kv_dtype and m["target"] == "cuda-sm_90"
-    assert kv_pool_layout(kv_dtype, GEOMETRY["head_dim"])[0] == "uint8"
+    assert kv_row(kv_dtype, GEOMETRY["head_dim"])[0] == "uint8"
     data = (art / m["library"]).read_bytes()
     assert FATBIN_MAGIC in data, "no fatbin in the library: CUDA code was not compiled"
     assert b"__global__" not in data

@@ -1,8 +1,9 @@
-"""CUDA-graph wrapper logic (runtime/cuda_graph.py) with a recording fake driver.
+"""CUDA-graph wrapper logic (runtime/executor/cuda_graph.py) with a recording fake driver.
 
 The real capture/replay runs on the GPU machine (bench/gpu_bench.py check: graph decode logits
-equal eager ones bit for bit); here: the per-key life cycle (eager, capture + launch, replay),
-static inputs refreshed in place before every replay, failure fallback and LRU eviction.
+equal eager ones bit for bit); here: the per-key life cycle (eager, capture + launch, replay), inputs
+that are views of persistent buffers (a replay reads what was written there for this step), failure
+fallback and LRU eviction.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import ctypes
 import numpy as np
 import pytest
 
-from ninfer_mlc.runtime import cuda_graph
-from ninfer_mlc.runtime.cuda_graph import GraphedFunction, page_width_bucket
+from ninfer_mlc.runtime.executor import cuda_graph
+from ninfer_mlc.runtime.executor.cuda_graph import GraphedFunction, page_width_bucket
+from ninfer_mlc.runtime.executor.inputs import _Buffer
 
 
 class FakeLib:
@@ -83,25 +85,36 @@ def graphed(monkeypatch):
         return ("logits", len(seen))
 
     g = GraphedFunction(tvm, tvm.cpu(), func, max_graphs=2)
+    bufs = [_Buffer(tvm, tvm.cpu(), 64), _Buffer(tvm, tvm.cpu(), 64)]
+
+    def views(*arrays):
+        """Stage arrays in the persistent buffers, as the runner's StepInputs does, and return the views."""
+        out = []
+        for b, a in zip(bufs, arrays):
+            b.host[: a.size] = a.ravel()
+            out.append(b.upload(a.shape))
+        return out
+
+    g.views = views
     return g, seen
 
 
 def test_eager_then_capture_then_replay(graphed):
     g, seen = graphed
     persistent = ["pool"]
-    a = [np.array([1, 2], np.int32), np.zeros((2, 4), np.int32)]
+    a = g.views(np.array([1, 2], np.int32), np.zeros((2, 4), np.int32))
     out1 = g(a, persistent)  # first sight: eager
     assert g.stats == {"replays": 0, "captures": 0, "eager": 1, "capture_failures": 0, "evictions": 0}
-    out2 = g([np.array([3, 4], np.int32), np.ones((2, 4), np.int32)], persistent)  # capture + one launch
+    out2 = g(g.views(np.array([3, 4], np.int32), np.ones((2, 4), np.int32)), persistent)  # capture + one launch
     assert g.stats["captures"] == 1 and g.stats["replays"] == 1
     assert [c[0] for c in g.drv.lib.calls] == ["begin", "end", "launch"]
     assert g.drv.lib.calls[0][1] == 2  # relaxed capture mode
     assert len(seen) == 2 and seen[1][2] == "pool"  # the VM ran once under capture (recording)
     np.testing.assert_array_equal(seen[1][0], [3, 4])
-    out3 = g([np.array([5, 6], np.int32), np.full((2, 4), 9, np.int32)], persistent)  # replay: no VM call
+    out3 = g(g.views(np.array([5, 6], np.int32), np.full((2, 4), 9, np.int32)), persistent)  # replay: no VM call
     assert len(seen) == 2 and out3 is out2 and out1 != out2
     entry = g._graphs[g.key_of(a)]
-    np.testing.assert_array_equal(entry.statics[0].numpy(), [5, 6])  # statics refreshed in place
+    np.testing.assert_array_equal(entry.statics[0].numpy(), [5, 6])  # the recorded addresses hold this step
     np.testing.assert_array_equal(entry.statics[1].numpy(), np.full((2, 4), 9))
     assert g.graph_nodes() == {((2,), (2, 4)): 7}
 
@@ -109,7 +122,7 @@ def test_eager_then_capture_then_replay(graphed):
 def test_capture_failure_falls_back_to_eager_for_good(graphed):
     g, seen = graphed
     g.drv.lib.fail_end = True
-    a = [np.array([1], np.int32), np.zeros((1, 4), np.int32)]
+    a = g.views(np.array([1], np.int32), np.zeros((1, 4), np.int32))
     g(a, [])
     out = g(a, [])  # capture fails -> the same step runs eagerly (capture executed nothing)
     assert g.stats["capture_failures"] == 1 and g.stats["eager"] == 2 and out == ("logits", 3)
@@ -121,7 +134,7 @@ def test_capture_failure_falls_back_to_eager_for_good(graphed):
 def test_lru_eviction_destroys_old_graphs(graphed):
     g, _ = graphed
     for b in (1, 2, 3):
-        a = [np.zeros(b, np.int32), np.zeros((b, 4), np.int32)]
+        a = g.views(np.zeros(b, np.int32), np.zeros((b, 4), np.int32))
         g(a, [])
         g(a, [])
     assert g.stats["captures"] == 3 and g.stats["evictions"] == 1
@@ -137,8 +150,8 @@ def test_page_width_bucket(w, want):
 def test_cpu_runner_has_no_graphs():
     from pathlib import Path
 
-    from ninfer_mlc.runtime.model_runner import ModelRunner
+    from ninfer_mlc.runtime.harness import Harness
 
     art = Path(__file__).resolve().parent.parent / "dist" / "qwen3x-tiny"
-    r = ModelRunner(art, kv_capacity_tokens=256, num_slots=1)
+    r = Harness(art, kv_capacity_tokens=256, num_slots=1)
     assert r.decode_graphs is None

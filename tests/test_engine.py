@@ -10,9 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from ninfer_mlc.generate import open_engine
+from ninfer_mlc.runtime.assemble import open_engine
 from ninfer_mlc.paths import default_model_dir
-from ninfer_mlc.runtime.engine import ContextTooLong, EngineOptions, Finished, GenRequest, QueueFull, QueueTimeout
+from ninfer_mlc.runtime.config import EngineConfig
+from ninfer_mlc.runtime.engine import Finished, GenRequest
+from ninfer_mlc.runtime.errors import ContextTooLong, QueueFull, QueueTimeout
 from ninfer_mlc.runtime.sampling import SamplingParams
 
 ART = default_model_dir()
@@ -36,8 +38,8 @@ def run_all(eng, ps, max_tokens=40, **sp):
 
 
 def engine(**kw):
-    runner_kw = {"kv_capacity_tokens": kw.pop("kv_tokens", 8192), "meminfo_reader": PLENTY}
-    return open_engine(ART, EngineOptions(**kw), **runner_kw)
+    kw["kv_capacity"] = kw.pop("kv_tokens", 8192)
+    return open_engine(ART, EngineConfig(**kw), meminfo_reader=PLENTY)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def test_continuous_batching_matches_sequential(sequential_outputs):
     try:
         outs = run_all(eng, prompts(6))
         assert [o for o, _ in outs] == sequential_outputs
-        assert eng.snapshot()["decode_row_rounds"] > eng.snapshot()["decode_rounds"]  # rows were batched
+        assert eng.stats().counters.decode_row_rounds > eng.stats().counters.decode_rounds  # rows were batched
     finally:
         eng.stop()
 
@@ -65,8 +67,7 @@ def test_preemption_under_page_pressure_restores_exactly(sequential_outputs):
     try:
         outs = run_all(eng, prompts(6))
         assert [o for o, _ in outs] == sequential_outputs
-        snap = eng.snapshot()
-        assert snap["preemptions"] > 0
+        assert eng.stats().counters.preemptions > 0
         assert all(f.reason == "length" and f.usage["completion_tokens"] == 40 for _, f in outs)
     finally:
         eng.stop()
@@ -77,8 +78,8 @@ def test_preemption_without_cache_recomputes_and_completes():
     try:
         outs = run_all(eng, prompts(4, seed=3), max_tokens=30)
         assert all(f.reason == "length" and f.usage["completion_tokens"] == 30 for _, f in outs)
-        assert eng.snapshot()["preemptions"] > 0
-        assert eng.runner.pages.used_pages == 0 and eng.runner.slots.free_slots == eng.runner.slots.num_slots
+        assert eng.stats().counters.preemptions > 0
+        assert eng.kv.pages.used_pages == 0 and eng.kv.slots.free_slots == eng.kv.slots.num_slots
     finally:
         eng.stop()
 
@@ -99,7 +100,7 @@ def test_seeded_sampling_is_reproducible_across_batching():
 
 
 def test_queue_full_and_queue_timeout():
-    eng = engine(max_concurrency=1, max_pending=1, pending_timeout_ms=300, prefix_reuse=False)
+    eng = engine(max_concurrency=1, max_pending_requests=1, pending_timeout_ms=300, prefix_reuse=False)
     try:
         long = GenRequest(prompts(1)[0], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
         h1 = eng.submit(long)
@@ -111,7 +112,7 @@ def test_queue_full_and_queue_timeout():
             list(h2.iter_sync(timeout=30))
         h1.cancel()
         assert list(h1.iter_sync(timeout=30))[-1].reason == "cancelled"
-        assert eng.snapshot()["requests_queue_timeout"] == 1
+        assert eng.stats().counters.requests_queue_timeout == 1
     finally:
         eng.stop()
 
@@ -122,14 +123,14 @@ def test_cancellation_frees_pages_and_slots():
         h = eng.submit(GenRequest(prompts(1)[0], SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)))
         it = h.iter_sync(timeout=30)
         next(it)  # first token arrived: the sequence holds pages and a slot
-        assert eng.runner.pages.used_pages > 0
+        assert eng.kv.pages.used_pages > 0
         h.cancel()
         evs = list(it)
         assert evs[-1].reason == "cancelled"
         deadline = time.time() + 5
-        while eng.runner.pages.used_pages and time.time() < deadline:
+        while eng.kv.pages.used_pages and time.time() < deadline:
             time.sleep(0.01)
-        assert eng.runner.pages.used_pages == 0 and eng.runner.slots.free_slots == eng.runner.slots.num_slots
+        assert eng.kv.pages.used_pages == 0 and eng.kv.slots.free_slots == eng.kv.slots.num_slots
         assert run_all(eng, prompts(1), max_tokens=3)[0][1].reason == "length"  # still serving
     finally:
         eng.stop()
@@ -138,8 +139,9 @@ def test_cancellation_frees_pages_and_slots():
 def test_context_limit_is_enforced():
     eng = engine(max_concurrency=1, max_context=128, prefix_reuse=False)
     try:
-        with pytest.raises(ContextTooLong, match="max-context"):
+        with pytest.raises(ContextTooLong) as e:
             eng.submit(GenRequest(list(range(128)), SamplingParams(max_tokens=4)))
+        assert (e.value.prompt_tokens, e.value.limit) == (128, 128)
         out = run_all(eng, [list(range(100))], max_tokens=1000)[0][1]
         assert out.reason == "length" and out.usage["completion_tokens"] == 28  # clamped to the context
     finally:
@@ -166,10 +168,13 @@ def test_stop_strings_and_stop_tokens():
         eng.stop()
 
 
-def test_thinking_budget_closes_reasoning_with_the_early_close_text():
-    from ninfer_mlc.generate import THINK_EARLY_CLOSE
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_thinking_budget_closes_reasoning_with_the_early_close_text(spec):
+    """The budget holds whoever produced the tokens: plain decoding or speculative rounds, whose
+    accepted tokens pass the same commit path (a forced token cuts the rest of the round)."""
+    from ninfer_mlc.runtime.assemble import THINK_EARLY_CLOSE
 
-    eng = engine(max_concurrency=1, prefix_reuse=False)
+    eng = engine(max_concurrency=1, prefix_reuse=False, spec=spec, draft_tokens=3)
     try:
         p = prompts(1, seed=11)[0] + eng.tok.encode("<think>\n", add_special_tokens=False).ids
         budget = 7
@@ -187,5 +192,9 @@ def test_thinking_budget_closes_reasoning_with_the_early_close_text():
                                     add_special_tokens=False).ids)
         assert abs(n_free - budget) <= 1 and len(ids) > len(close)
         assert evs[-1].usage["completion_tokens"] == 60  # the answer continues after the close
+        assert evs[-1].usage["reasoning_tokens"] == len(eng.tok.encode(reasoning + "</think>",
+                                                                      add_special_tokens=False).ids)
+        if spec != "none":
+            assert eng.stats().spec.rounds > 0 and eng.stats().spec.draft_tokens > 0
     finally:
         eng.stop()

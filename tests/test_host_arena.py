@@ -1,4 +1,4 @@
-"""Tests for ninfer_mlc.runtime.host_arena (pure bookkeeping, no GPU)."""
+"""Tests for ninfer_mlc.runtime.kv.host_arena (pure bookkeeping, no GPU)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from ninfer_mlc.runtime.host_arena import (
+from ninfer_mlc.runtime.kv.host_arena import (
     Allocation,
     HostArena,
     parse_mem_available,

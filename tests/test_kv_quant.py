@@ -32,11 +32,12 @@ from hf_tiny import make_hf_model, save_hf  # noqa: E402
 
 from ninfer_mlc.compile import nvfp4 as F  # noqa: E402
 from ninfer_mlc.compile.build import compile_model  # noqa: E402
-from ninfer_mlc.compile.kernels.attention_quant import kv_pool_layout, pack_kv_fp8, unpack_kv  # noqa: E402
+from ninfer_mlc.compile.kernels.attention_quant import pack_kv_fp8, unpack_kv  # noqa: E402
+from ninfer_mlc.contract.pool_layout import kv_row  # noqa: E402
 from ninfer_mlc.compile.kernels.registry import kernel_set  # noqa: E402
 from ninfer_mlc.compile.model import PAGE_SIZE  # noqa: E402
 from ninfer_mlc.compile.rope_scaling import RopeSpec, apply_partial_rope  # noqa: E402
-from ninfer_mlc.runtime.model_runner import ModelRunner  # noqa: E402
+from ninfer_mlc.runtime.harness import Harness  # noqa: E402
 
 PACK = {"nvfp4": F.pack_kv_nvfp4, "fp8": pack_kv_fp8}
 SEQ_LEN = 200
@@ -134,11 +135,11 @@ def _art(tiny, kv_dtype, hadamard=False):
 
 @pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
 def test_append_bytes_bitexact_through_runner(tiny, kv_dtype):
-    runner = ModelRunner(_art(tiny, kv_dtype), kv_capacity_tokens=512, num_slots=2)
+    runner = Harness(_art(tiny, kv_dtype), kv_capacity_tokens=512, num_slots=2)
     c = runner.cfg
     hq, hkv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     n_layers = c["layer_types"].count("full_attention")
-    assert runner.kv_pool.dtype == "uint8" and runner.kv_shape[-1] == kv_pool_layout(kv_dtype, d)[1]
+    assert runner.kv_pool.dtype == "uint8" and runner.kv_shape[-1] == kv_row(kv_dtype, d)[1]
     assert runner.page_bytes == int(np.prod(runner.kv_shape[1:]))
     ex = _kernel(kv_dtype, hq, hkv, d, n_layers)
     tvm = runner.tvm
@@ -197,7 +198,7 @@ def _run_single_head(kv_dtype, q, k, v):
     import tvm
 
     n, d = k.shape
-    dt, row = kv_pool_layout(kv_dtype, d)
+    dt, row = kv_row(kv_dtype, d)
     pages = -(-n // PAGE_SIZE)
     dev = tvm.cpu()
     T = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev)  # noqa: E731
@@ -275,7 +276,7 @@ def _greedy(runner, prompt, steps):
                                                ("nvfp4", True)])
 def test_tiny_model_logits_vs_hf(tiny, kv_dtype, hadamard):
     _, ids, ref, _ = tiny
-    runner = ModelRunner(_art(tiny, kv_dtype, hadamard), kv_capacity_tokens=512, num_slots=2)
+    runner = Harness(_art(tiny, kv_dtype, hadamard), kv_capacity_tokens=512, num_slots=2)
     assert runner.manifest.kv_dtype == {None: "float32", "bf16": "bfloat16"}.get(kv_dtype, kv_dtype)
     assert runner.manifest.extras["kv_hadamard"] is hadamard
     lg = _logits(runner, ids)
@@ -288,8 +289,8 @@ def test_tiny_model_logits_vs_hf(tiny, kv_dtype, hadamard):
 
 def test_tiny_model_greedy_nvfp4_vs_f32(tiny):
     _, ids, _, _ = tiny
-    base = ModelRunner(_art(tiny, None), kv_capacity_tokens=512, num_slots=2)
-    quant = ModelRunner(_art(tiny, "nvfp4"), kv_capacity_tokens=512, num_slots=2)
+    base = Harness(_art(tiny, None), kv_capacity_tokens=512, num_slots=2)
+    quant = Harness(_art(tiny, "nvfp4"), kv_capacity_tokens=512, num_slots=2)
     same = []
     for start in range(0, 120, 30):
         a, b = _greedy(base, ids[start:start + 40], 24), _greedy(quant, ids[start:start + 40], 24)
@@ -304,7 +305,7 @@ def test_kv_dtype_flag_validation(tiny, capsys):
     with pytest.raises(SystemExit) as e:
         main(["compile", str(hf_dir), "--kv-dtype", "int4", "-o", str(tpf.mktemp("bad"))])
     assert e.value.code == 2 and "--kv-dtype" in capsys.readouterr().err
-    page = {kv: ModelRunner(_art(tiny, kv), kv_capacity_tokens=64, num_slots=1).page_bytes
+    page = {kv: Harness(_art(tiny, kv), kv_capacity_tokens=64, num_slots=1).page_bytes
             for kv in (None, "bf16", "fp8", "nvfp4")}
     assert page[None] == 2 * page["bf16"]
     # hf_tiny: 1 attention layer, 2 KV heads, head_dim 32, 64-token pages, K+V

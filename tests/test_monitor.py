@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
-from ninfer_mlc.generate import open_engine
+from ninfer_mlc.runtime.assemble import open_engine
 from ninfer_mlc.paths import default_model_dir
-from ninfer_mlc.runtime.engine import EngineOptions, Finished, GenRequest
+from ninfer_mlc.runtime.config import EngineConfig
+from ninfer_mlc.runtime.engine import Finished, GenRequest
 from ninfer_mlc.runtime.sampling import SamplingParams
 from ninfer_mlc.server.monitor import register_monitoring_routes
 from ninfer_mlc.server.stats import HttpCounters
@@ -76,9 +77,10 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
-    opts = EngineOptions(max_concurrency=2, max_context=1024, prefill_chunk=128, device_state_slots=1, host_kv_mib=8,
+    opts = EngineConfig(max_concurrency=2, max_context=1024, prefill_chunk=128, device_state_slots=1, host_kv_mib=8,
                          host_state_slots=2, host_ram_reserve_mib=0)
-    eng = open_engine(ART, opts, kv_capacity_tokens=1024, meminfo_reader=lambda: 64 * 2**30)
+    opts.kv_capacity = 1024
+    eng = open_engine(ART, opts, meminfo_reader=lambda: 64 * 2**30)
     http = HttpCounters()
     try:
         for i in range(5):  # more than the device holds: some entries are demoted to the host tier

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 from hf_tiny import make_hf_model, save_hf  # noqa: E402
 
 from ninfer_mlc.compile.build import compile_model  # noqa: E402
-from ninfer_mlc.runtime.model_runner import ModelRunner  # noqa: E402
+from ninfer_mlc.runtime.harness import Harness  # noqa: E402
 
 PROMPT_LEN = 150  # > 2 GDN chunks of 64
 DECODE_STEPS = 18
@@ -31,7 +31,7 @@ def case(request, tmp_path_factory):
     ids = torch.randint(0, model.config.vocab_size, (1, PROMPT_LEN + DECODE_STEPS), generator=gen)
     with torch.no_grad():
         ref = model(ids).logits[0].numpy()
-    runner = ModelRunner(art, kv_capacity_tokens=2048, num_slots=6)
+    runner = Harness(art, kv_capacity_tokens=2048, num_slots=6)
     return runner, ids[0].numpy().tolist(), ref, model
 
 

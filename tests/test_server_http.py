@@ -29,11 +29,11 @@ def http(server):
 def wait_idle(engine, timeout=10.0):
     t_end = time.monotonic() + timeout
     while time.monotonic() < t_end:
-        s = engine.snapshot()
-        if s["running"] == 0 and s["waiting"] == 0:
+        s = engine.stats()
+        if s.scheduler.running == 0 and s.scheduler.waiting == 0:
             return s
         time.sleep(0.02)
-    raise AssertionError(f"engine still busy: {engine.snapshot()}")
+    raise AssertionError(f"engine still busy: {engine.stats().scheduler}")
 
 
 def sse_events(raw: bytes):
@@ -166,21 +166,21 @@ def test_auth_and_cors(secured_server):
 def test_disconnect_mid_stream_frees_the_request(server):
     eng = server.state.engine
     wait_idle(eng)
-    before = eng.snapshot()["requests_cancelled"]
+    before = eng.stats().counters.requests_cancelled
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json={"messages": HI, "stream": True, **LONG}) as r:
             it = r.iter_lines()
             got = [next(it) for _ in range(6)]
             assert any(line.startswith("data: ") for line in got)
-            assert eng.snapshot()["running"] == 1
+            assert eng.stats().scheduler.running == 1
     snap = wait_idle(eng)
-    assert snap["requests_cancelled"] == before + 1
+    assert snap.counters.requests_cancelled == before + 1
 
 
 def test_disconnect_anthropic_stream_and_nonstream(server):
     eng = server.state.engine
     wait_idle(eng)
-    before = eng.snapshot()["requests_cancelled"]
+    before = eng.stats().counters.requests_cancelled
     with httpx.Client(base_url=server.url, timeout=30) as c:
         with c.stream("POST", "/v1/messages", json={"model": "m", "messages": HI, "stream": True, **LONG}) as r:
             next(r.iter_lines())
@@ -189,7 +189,7 @@ def test_disconnect_anthropic_stream_and_nonstream(server):
         with pytest.raises(httpx.ReadTimeout):
             c.post("/v1/chat/completions", json={"messages": HI, **LONG})
     snap = wait_idle(eng)
-    assert snap["requests_cancelled"] == before + 2
+    assert snap.counters.requests_cancelled == before + 2
 
 
 # ---- queue limits (their own engine: 1 lane, 1 queue place, 1.5 s queue deadline) ------------
@@ -197,11 +197,11 @@ def test_disconnect_anthropic_stream_and_nonstream(server):
 def tight_server():
     from conftest import start_test_server  # noqa: PLC0415  (tests/ is on sys.path under pytest)
 
-    from ninfer_mlc.generate import open_engine
+    from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.paths import default_model_dir
-    from ninfer_mlc.runtime.engine import EngineOptions
+    from ninfer_mlc.runtime.config import EngineConfig
 
-    eng = open_engine(default_model_dir(), EngineOptions(max_concurrency=1, max_pending=1, pending_timeout_ms=1500,
+    eng = open_engine(default_model_dir(), EngineConfig(max_concurrency=1, max_pending_requests=1, pending_timeout_ms=1500,
                                                          max_context=8192, host_kv_mib=16))
     srv, state = start_test_server(eng, "--max-concurrency", "1", "--max-pending-requests", "1",
                                    "--pending-timeout-ms", "1500")
@@ -227,7 +227,7 @@ def test_queue_full_429_and_timeout_503(tight_server):
             t = threading.Thread(target=queued)
             t.start()
             t_end = time.monotonic() + 5
-            while eng.snapshot()["waiting"] != 1 and time.monotonic() < t_end:
+            while eng.stats().scheduler.waiting != 1 and time.monotonic() < t_end:
                 time.sleep(0.01)
             r = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2})
             assert r.status_code == 429 and r.json()["error"]["code"] == "server_overloaded"

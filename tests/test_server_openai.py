@@ -173,7 +173,7 @@ def test_errors_and_server_keeps_serving(client, model, server):
     assert ei.value.status_code == 413
     r = client.chat.completions.create(model=model, messages=HI, max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert server.state.engine.snapshot()["running"] == 0
+    assert server.state.engine.stats().scheduler.running == 0
 
 
 def test_api_key(secured_server):

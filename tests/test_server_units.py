@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from ninfer_mlc.runtime.engine import ContextTooLong, Delta, Finished, QueueFull, QueueTimeout
+from ninfer_mlc.runtime.engine import Delta, Finished
+from ninfer_mlc.runtime.errors import ContextTooLong, QueueFull, QueueTimeout
 from ninfer_mlc.runtime.sampling import TokenLogprobs
 from ninfer_mlc.server import anthropic_api, openai_api
 from ninfer_mlc.server.errors import APIError, error_body, from_engine
@@ -23,7 +24,7 @@ CALL_TEXT = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</par
 
 def fin(reason="stop", n_out=10, stop_matched=None, error=None):
     return Finished(reason, {"prompt_tokens": 20, "completion_tokens": n_out, "total_tokens": 20 + n_out,
-                             "cached_tokens": 4},
+                             "cached_tokens": 4, "reasoning_tokens": 3},
                     {"cache_n": 4, "prompt_n": 16, "prompt_ms": 1.0, "predicted_n": n_out, "predicted_ms": 2.0},
                     stop_matched, error)
 
@@ -59,7 +60,7 @@ def collected(events):
 def test_reasoning_then_content():
     col = collected(run_stream("Let me think.\n</think>\n\nThe answer is 4."))
     assert (col.reasoning, col.content, col.calls) == ("Let me think.", "The answer is 4.", [])
-    assert col.done.finish_reason == "stop" and col.done.usage["reasoning_tokens"] > 0
+    assert col.done.finish_reason == "stop" and col.done.usage["reasoning_tokens"] == 3  # the engine's count
 
 
 @pytest.mark.parametrize("sizes", [(1,), (2, 9), (50,), (4, 1, 13)])
@@ -350,11 +351,12 @@ def test_error_shapes_by_route():
         "error": {"message": "bad", "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
     assert error_body("/v1/messages", e) == {"type": "error", "error": {"type": "invalid_request_error",
                                                                       "message": "bad"}}
-    assert from_engine(QueueFull("full")).status == 429
-    assert from_engine(QueueTimeout("slow")).status == 503
-    ctl = from_engine(ContextTooLong("long"))
+    assert from_engine(QueueFull(3)).status == 429
+    assert from_engine(QueueTimeout(31.0)).status == 503
+    ctl = from_engine(ContextTooLong(9000, 8192))
     assert (ctl.status, ctl.code, ctl.param) == (400, "context_length_exceeded", "messages")
-    assert error_body("/v1/messages", from_engine(QueueTimeout("x")))["error"]["type"] == "overloaded_error"
+    assert "9000" in ctl.message and "8192" in ctl.message
+    assert error_body("/v1/messages", from_engine(QueueTimeout(1.0)))["error"]["type"] == "overloaded_error"
 
 
 # ---- flags ----------------------------------------------------------------------------------

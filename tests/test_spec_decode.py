@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/speculative.py) on the embedded tiny model, which has an MTP head.
+"""Speculative decoding (runtime/spec/) on the embedded tiny model, which has an MTP head.
 
 * the MTP head's logits match a torch reference built from the same weights (transformers'
   Qwen3_5DecoderLayer for the layer, plain torch for fc / norms / lm_head), through the proposer's
@@ -19,14 +19,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ninfer_mlc.generate import open_engine
+from ninfer_mlc.runtime.assemble import open_engine
 from ninfer_mlc.paths import default_model_dir
-from ninfer_mlc.runtime import safetensors_io
-from ninfer_mlc.runtime.artifact import read_manifest
-from ninfer_mlc.runtime.engine import EngineOptions, GenRequest
-from ninfer_mlc.runtime.model_runner import ModelRunner
+from ninfer_mlc.contract import safetensors_io
+from ninfer_mlc.contract.manifest import read_manifest
+from ninfer_mlc.runtime.config import EngineConfig
+from ninfer_mlc.runtime.errors import ConfigError
+from ninfer_mlc.runtime.engine import GenRequest
+from ninfer_mlc.runtime.harness import Harness
 from ninfer_mlc.runtime.sampling import RowState, Sampler, SamplingParams
-from ninfer_mlc.runtime.speculative import MTPProposer, Speculator
+from ninfer_mlc.runtime.spec.acceptance import accept
+from ninfer_mlc.runtime.spec.mtp import MTPProposer
 from ninfer_mlc.runtime.tokenizer import load_tokenizer
 
 ART = default_model_dir()
@@ -46,9 +49,10 @@ def prompts(tok):
 
 def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=None, **opts):
     """Token ids of every request (logprobs on, so every token reaches the event stream), stats."""
-    o = EngineOptions(max_concurrency=concurrency, max_pending=len(prompts), max_context=1024, host_kv_mib=0,
+    o = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=1024, host_kv_mib=0,
                       spec=spec, draft_tokens=k, **opts)
-    eng = open_engine(ART, o, **({"kv_capacity_tokens": kv_tokens} if kv_tokens else {}))
+    o.kv_capacity = kv_tokens
+    eng = open_engine(ART, o)
     try:
         hs = [eng.submit(GenRequest(p, params_for(i))) for i, p in enumerate(prompts)]
         outs, timings = [], []
@@ -56,7 +60,7 @@ def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=Non
             outs.append([t for ev in h.iter_sync(timeout=300) if hasattr(ev, "token_ids") for t in ev.token_ids])
             assert h.finished.reason == "length", h.finished
             timings.append(h.finished.timings)
-        return outs, timings, eng.snapshot()
+        return outs, timings, eng.stats()
     finally:
         eng.stop()
 
@@ -128,13 +132,14 @@ def _torch_mtp_reference(params: dict, prompt_hidden, next_tokens, n_chain: int,
 
 
 def test_mtp_head_matches_torch_reference(prompts):
-    runner = ModelRunner(ART, num_slots=4, kv_capacity_tokens=1024)
+    runner = Harness(ART, num_slots=4, kv_capacity_tokens=1024)
     params = {}
     for rel in runner.manifest.weight_shards:
         params.update(safetensors_io.load(ART / rel))
     ids = (prompts[0] * 6)[:70]
     seq = runner.new_seq()
     act = SimpleNamespace(req=SimpleNamespace(prompt_ids=ids), generated=[], seq=seq)
+    act.all_tokens = lambda: list(ids) + act.generated
     prop = MTPProposer(runner)
     st = SimpleNamespace(mtp_pos=0, mtp_hidden=None, unfed=None)
     hidden = []
@@ -164,7 +169,7 @@ def test_mtp_head_matches_torch_reference(prompts):
 
 def test_verify_rows_match_decode(prompts):
     """verify (one multi-token forward) returns what token-by-token decode would, plus post-norm hidden."""
-    runner = ModelRunner(ART, num_slots=4, kv_capacity_tokens=1024)
+    runner = Harness(ART, num_slots=4, kv_capacity_tokens=1024)
     ids = prompts[1]
     feed = [5, 77, 300, 9]
     a, b = runner.new_seq(), runner.new_seq()
@@ -197,18 +202,19 @@ def test_greedy_identical(prompts, baseline, case):
     outs, timings, stats = generate(prompts, greedy(40), **case)
     assert outs == baseline
     k = case["k"]
-    assert stats["spec_backend"] == case["spec"]
-    assert stats["spec_draft_tokens"] > 0 and stats["spec_rounds"] > 0
-    assert 0 < stats["spec_acceptance_rate"] <= 1
-    assert 1 <= stats["spec_tokens_per_round"] <= k + 1
-    assert stats["spec_emitted_tokens"] + len(prompts) == sum(len(o) for o in outs)  # + the first tokens
-    assert sum(t["draft_n"] for t in timings) == stats["spec_draft_tokens"]
-    assert sum(t["draft_n_accepted"] for t in timings) == stats["spec_accepted_tokens"]
+    sp = stats.spec
+    assert sp.backend == case["spec"]
+    assert sp.draft_tokens > 0 and sp.rounds > 0
+    assert 0 < sp.acceptance_rate <= 1
+    assert 1 <= sp.tokens_per_round <= k + 1
+    assert sp.emitted_tokens + len(prompts) == sum(len(o) for o in outs)  # + the first tokens
+    assert sum(t["draft_n"] for t in timings) == sp.draft_tokens
+    assert sum(t["draft_n_accepted"] for t in timings) == sp.accepted_tokens
     if case.get("kv_tokens"):
-        assert stats["preemptions"] > 0
+        assert stats.counters.preemptions > 0
     if case["spec"] == "draft":  # the model drafting for itself: every greedy draft is accepted
-        assert stats["spec_acceptance_rate"] > 0.95 and stats["spec_tokens_per_round"] > 3
-    print(case, {k: v for k, v in stats.items() if k.startswith("spec_")})
+        assert sp.acceptance_rate > 0.95 and sp.tokens_per_round > 3
+    print(case, sp)
 
 
 # ---- sampling: the target distribution ------------------------------------------------------------
@@ -270,8 +276,7 @@ def test_chi2_helper():
 
 def _accept_trials(p, q, trials, broken=False):
     """First emitted token of one speculative step with a single draft from q, target p."""
-    spec = object.__new__(Speculator)
-    spec.eng = SimpleNamespace(sampler=Sampler())
+    sampler = Sampler()
     params = SamplingParams(temperature=1.0)
     lp, lq = np.log(p).astype(np.float32), np.log(q).astype(np.float32)
     out = []
@@ -281,7 +286,7 @@ def _accept_trials(p, q, trials, broken=False):
         if broken:  # what a "trust the draft" implementation would emit
             out.append(d)
             continue
-        toks, n = spec._accept(SimpleNamespace(row=row), np.stack([lp, lp]), [d], [q])
+        toks, n = accept(row, np.stack([lp, lp]), [d], [q], sampler)
         out.append(toks[0])
     return out
 
@@ -316,27 +321,28 @@ def test_sampled_distribution_unchanged(tok, spec):
     spec_out, _, stats = generate([prompt] * n, params(10_000), spec=spec, k=2, concurrency=8, prefix_reuse=False,
                                   **extra)
     assert all(len(o) == 3 for o in base + spec_out)
-    assert stats["spec_draft_tokens"] > 0
+    assert stats.spec.draft_tokens > 0
     for what, key in (("joint", lambda o: tuple(o)), ("token 2", lambda o: o[1]), ("token 3", lambda o: o[2])):
         pval = _homogeneity_p([key(o) for o in base], [key(o) for o in spec_out])
         assert pval > 1e-3, f"{spec}: {what} distribution differs (p={pval:.2g})"
-    print(spec, {k: v for k, v in stats.items() if k.startswith("spec_")})
+    print(spec, stats.spec)
 
 
 # ---- options -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kw,msg", [
-    (dict(spec="eagle"), "--spec must be one of"),
-    (dict(spec="mtp", draft_tokens=0), "--draft-tokens"),
-    (dict(spec="mtp", draft_tokens=6), "--draft-tokens"),
-    (dict(spec="draft"), "--spec draft needs --draft-model"),
-    (dict(spec="draft", draft_model="/nonexistent"), "not a compiled model"),
-    (dict(spec="mtp", draft_model=str(ART)), "only used with --spec draft"),
-    (dict(spec="draft", draft_model=str(ART), lm_head_draft="100"), "only used with --spec mtp"),
-    (dict(spec="mtp", lm_head_draft="0"), "--lm-head-draft"),
+@pytest.mark.parametrize("kw,field,msg", [
+    (dict(spec="eagle"), "spec", "must be one of"),
+    (dict(spec="mtp", draft_tokens=0), "draft_tokens", "1..5"),
+    (dict(spec="mtp", draft_tokens=6), "draft_tokens", "1..5"),
+    (dict(spec="draft"), "draft_model", "spec draft needs"),
+    (dict(spec="draft", draft_model="/nonexistent"), "draft_model", "not a compiled model"),
+    (dict(spec="mtp", draft_model=str(ART)), "draft_model", "only used with spec draft"),
+    (dict(spec="draft", draft_model=str(ART), lm_head_draft="100"), "lm_head_draft", "only used with spec mtp"),
+    (dict(spec="mtp", lm_head_draft="0"), "lm_head_draft", "positive token count"),
 ])
-def test_options_validation(kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        EngineOptions(**kw).validate()
+def test_options_validation(kw, field, msg):
+    with pytest.raises(ConfigError, match=msg) as e:
+        EngineConfig(**kw).validate()
+    assert e.value.field == field
 
 
 def test_mtp_without_head_is_a_clear_error():
@@ -345,4 +351,4 @@ def test_mtp_without_head_is_a_clear_error():
 
 
 def test_device_slots_cover_snapshots():
-    assert EngineOptions(max_concurrency=3, spec="mtp").device_slots == EngineOptions(max_concurrency=3).device_slots + 3
+    assert EngineConfig(max_concurrency=3, spec="mtp").device_slots == EngineConfig(max_concurrency=3).device_slots + 3

@@ -16,9 +16,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from ninfer_mlc.generate import open_engine
+from ninfer_mlc.runtime.assemble import open_engine
 from ninfer_mlc.paths import default_model_dir
-from ninfer_mlc.runtime.engine import EngineOptions, Finished, GenRequest
+from ninfer_mlc.runtime.config import EngineConfig
+from ninfer_mlc.runtime.engine import Finished, GenRequest
 from ninfer_mlc.runtime.sampling import SamplingParams
 from ninfer_mlc.server.metrics import CONTENT_TYPE, prometheus_text
 from ninfer_mlc.server.monitor import MONITOR_PATHS, make_stats_app, register_monitoring_routes
@@ -53,10 +54,10 @@ REQUIRED = {
 
 
 def _opts(**kw) -> EngineOptions:
-    base = dict(max_concurrency=2, max_context=1024, prefill_chunk=128, default_max_tokens=16, device_state_slots=1,
+    base = dict(kv_capacity=1024, max_concurrency=2, max_context=1024, prefill_chunk=128, default_max_tokens=16, device_state_slots=1,
                 host_kv_mib=8, host_state_slots=2, host_ram_reserve_mib=0, max_cache_entries=64)
     base.update(kw)
-    return EngineOptions(**base)
+    return EngineConfig(**base)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -84,7 +85,7 @@ def _run(eng, ids, http: HttpCounters | None = None, rid: str = "", max_tokens: 
 def served():
     """An engine after: a fresh request, a follow-up that reuses it, then enough distinct
     requests to push cached entries out to the host tier."""
-    eng = open_engine(ART, _opts(), kv_capacity_tokens=1024, meminfo_reader=PLENTY)
+    eng = open_engine(ART, _opts(), meminfo_reader=PLENTY)
     http = HttpCounters()
     fins = []
     try:
@@ -178,7 +179,7 @@ def _key_shape(d: dict) -> dict:
 def test_every_field_present_when_disabled(served, kw):
     eng_full = served[0]
     full = build_stats(eng_full, HttpCounters())
-    eng = open_engine(ART, _opts(**kw), kv_capacity_tokens=1024, meminfo_reader=PLENTY)
+    eng = open_engine(ART, _opts(**kw), meminfo_reader=PLENTY)
     try:
         _run(eng, _prompt(9, 100))
         s = build_stats(eng, None)
@@ -368,7 +369,7 @@ def test_stats_under_load(served):
         p, sch = s["pressure"], s["scheduler"]
         assert 0 <= p["device_kv_occupied_pages"] <= p["device_kv_pages_total"]
         assert 0 <= p["device_state_occupied_slots"] <= p["device_state_slots_total"]
-        assert sch["running"] <= eng.opt.max_concurrency and 0 <= s["http"]["in_flight"] <= 3
+        assert sch["running"] <= eng.cfg.max_concurrency and 0 <= s["http"]["in_flight"] <= 3
         busy += sch["running"] > 0 or sch["waiting"] > 0
         prometheus_text(s)
         polls += 1
@@ -382,9 +383,7 @@ def test_stats_under_load(served):
 
 
 def test_spec_section_with_a_speculator():
-    if "spec" not in EngineOptions.__dataclass_fields__:
-        pytest.skip("this engine has no speculative decoding")
-    eng = open_engine(ART, _opts(spec="mtp", max_concurrency=1), kv_capacity_tokens=1024, meminfo_reader=PLENTY)
+    eng = open_engine(ART, _opts(spec="mtp", max_concurrency=1), meminfo_reader=PLENTY)
     try:
         fin, _ = _run(eng, _prompt(3, 120), max_tokens=16)
         s = build_stats(eng, None)

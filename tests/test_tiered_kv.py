@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 
 from ninfer_mlc.chat_template import ChatTemplate
-from ninfer_mlc.generate import open_engine
+from ninfer_mlc.runtime.assemble import open_engine
 from ninfer_mlc.paths import default_model_dir
-from ninfer_mlc.runtime.engine import EngineOptions, Finished, GenRequest
-from ninfer_mlc.runtime.host_tier import HostTier
-from ninfer_mlc.runtime.model_runner import ModelRunner
-from ninfer_mlc.runtime.prefix_cache import PrefixCache, identity_seed
+from ninfer_mlc.runtime.config import EngineConfig
+from ninfer_mlc.runtime.engine import Finished, GenRequest
+from ninfer_mlc.runtime.kv.host_tier import HostTier
+from ninfer_mlc.runtime.harness import Harness
+from ninfer_mlc.runtime.kv.prefix_cache import PrefixCache, identity_seed
 from ninfer_mlc.runtime.sampling import SamplingParams
-from ninfer_mlc.runtime.tiered_kv import TieredKV
 
 ART = default_model_dir()
 PLENTY = lambda: 64 * 2**30  # noqa: E731  (MemAvailable seen by the host tier)
@@ -34,10 +34,11 @@ def _user_text(rng: np.random.Generator, n: int) -> str:
 
 
 def run_simulation(kv_tokens: int, device_state_slots: int, host_kv_mib: float, agents: int = 8, turns: int = 4):
-    opts = EngineOptions(max_concurrency=1, prefill_chunk=96, max_context=4096, default_max_tokens=24,
+    opts = EngineConfig(max_concurrency=1, prefill_chunk=96, max_context=4096, default_max_tokens=24,
                          device_state_slots=device_state_slots, host_kv_mib=host_kv_mib, host_state_slots=4,
                          host_ram_reserve_mib=0, max_cache_entries=256)
-    eng = open_engine(ART, opts, kv_capacity_tokens=kv_tokens, meminfo_reader=PLENTY)
+    opts.kv_capacity = kv_tokens
+    eng = open_engine(ART, opts, meminfo_reader=PLENTY)
     tmpl = ChatTemplate.from_model_dir(str(ART))
     rng = np.random.default_rng(7)
     histories = [[{"role": "system", "content": f"You are agent {i}. " + _user_text(rng, 40)}] for i in range(agents)]
@@ -63,9 +64,9 @@ def run_simulation(kv_tokens: int, device_state_slots: int, host_kv_mib: float, 
                                           add_special_tokens=False).ids
                     hs = eng.submit(GenRequest(side, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
                     assert list(hs.iter_sync(timeout=120))[-1].reason == "length"
-        snap = {"engine": eng.snapshot(), "kv": dict(eng.kv.stats), "cache": eng.kv.cache.summary(),
-                "host": eng.kv.host.arena.stats() if eng.kv.host else None,
-                "transfers": dict(eng.kv.host.stats) if eng.kv.host else None}
+        es = eng.stats()
+        snap = {"engine": es.counters, "kv": es.planner, "cache": es.cache, "host": es.arena or None,
+                "transfers": es.transfers or None}
     finally:
         eng.stop()
     return records, snap
@@ -138,10 +139,10 @@ def test_no_space_on_host_falls_back_to_eviction():
 
 # ---- the seal-window race -------------------------------------------------------------------
 def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
-    runner = ModelRunner(ART, kv_capacity_tokens=1024, num_slots=4)
+    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=4)
     host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
     cache = PrefixCache()
-    kv = TieredKV(runner, cache, host)
+    kv = runner.attach(cache, host)
     seed = identity_seed("x")
     rng = np.random.default_rng(1)
     toks = rng.integers(0, 1900, size=150).tolist()
@@ -168,7 +169,7 @@ def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
         return m
 
     cache.lookup = racing_lookup
-    seq = kv.acquire(toks[:120], seed, "sess", max_reuse=119)
+    seq = kv.admit(toks[:120], seed, "sess", max_reuse=119)
     cache.lookup = real_lookup
     assert moved.is_set() and entry.tier == "host"
     assert cache.stats["claim_conflicts"] == 1
@@ -199,22 +200,22 @@ def test_lookup_needs_exact_identity_even_with_session_key():
 
 # ---- the MTP head's KV travels with the main pages ----------------------------------------------
 def test_host_tier_moves_mtp_kv_pages():
-    runner = ModelRunner(ART, kv_capacity_tokens=1024, num_slots=3)
+    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=3)
     assert runner.mtp_kv_pool is not None  # the embedded tiny model ships its MTP head
     host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
     assert host.host_page_bytes == runner.page_bytes + host.mtp_page_bytes > runner.page_bytes
     rng = np.random.default_rng(2)
-    pages = runner.pages.alloc(3)
+    pages = runner.kv.pages.alloc(3)
     main = rng.standard_normal((3,) + runner.kv_shape[1:]).astype(np.float32)
     mtp = rng.standard_normal((3,) + runner.mtp_kv_shape[1:]).astype(np.float32)
     runner.write_pages(pages, main)
     for p, block in zip(pages, mtp):
         runner.mtp_page_view(p).copyfrom(block)
     alloc = host.store_pages(pages)
-    runner.pages.release(pages)
+    runner.kv.pages.release(pages)
     for p in pages:  # the freed pages get other contents
         runner.mtp_page_view(p).copyfrom(np.zeros(runner.mtp_kv_shape[1:], np.float32))
-    back = runner.pages.alloc(3)[::-1]
+    back = runner.kv.pages.alloc(3)[::-1]
     host.load_pages(alloc, back)
     np.testing.assert_array_equal(runner.read_pages(back), main)
     np.testing.assert_array_equal(np.stack([runner.mtp_page_view(p).numpy() for p in back]), mtp)
@@ -226,13 +227,17 @@ def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
     """A prompt, an unrelated request, then the first conversation continued (--spec mtp, greedy): with
     `kv_tokens` 384 the first entry is demoted to the host while the second request reuses its device
     pages, and comes back from the host; with 4096 it is restored from the device."""
-    opts = EngineOptions(max_concurrency=1, max_context=1024, host_kv_mib=16, host_state_slots=2,
+    opts = EngineConfig(max_concurrency=1, max_context=1024, host_kv_mib=16, host_state_slots=2,
                          host_ram_reserve_mib=0, device_state_slots=1, spec="mtp", draft_tokens=3)
-    eng = open_engine(ART, opts, kv_capacity_tokens=kv_tokens, meminfo_reader=PLENTY)
+    opts.kv_capacity = kv_tokens
+    eng = open_engine(ART, opts, meminfo_reader=PLENTY)
     if stale_mtp:  # what the host tier did before: main pages only
         eng.kv.host.mtp = False
     rng = np.random.default_rng(3)
     prompt, other, extra = (rng.integers(0, 1900, n).tolist() for n in (150, 250, 20))
+    drafts: list = []  # every draft the MTP head proposed, in order
+    propose = eng.spec.proposer.propose
+    eng.spec.proposer.propose = lambda items, choose: drafts.append(propose(items, choose)) or drafts[-1]
 
     def ask(ids, n):
         h = eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True)))
@@ -243,23 +248,24 @@ def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
     try:
         out1, _ = ask(prompt, 24)
         ask(other, 24)
+        n_before = len(drafts)
         out2, fin = ask(prompt + out1 + extra, 32)
-        return out2, fin, dict(eng.kv.stats)
+        return out2, fin, dict(eng.kv.stats), drafts[n_before:]
     finally:
         eng.stop()
 
 
 def test_mtp_acceptance_after_host_restore_equals_device_restore():
-    out_d, fin_d, st_d = _spec_restore_session(4096)
-    out_h, fin_h, st_h = _spec_restore_session(384)
+    out_d, fin_d, st_d, dr_d = _spec_restore_session(4096)
+    out_h, fin_h, st_h, dr_h = _spec_restore_session(384)
     assert st_d["restores_device"] == 1 and st_d["restores_host"] == 0
     assert st_h["restores_host"] == 1 and st_h["private_owners_demoted"] >= 1
     assert fin_h.usage["cached_tokens"] == fin_d.usage["cached_tokens"] > 150
     assert out_h == out_d
     acc = lambda f: (f.timings["draft_n"], f.timings["draft_n_accepted"])  # noqa: E731
     assert fin_d.timings["draft_n"] > 0
-    assert acc(fin_h) == acc(fin_d)
+    assert acc(fin_h) == acc(fin_d) and dr_h == dr_d
     # without the head's pages the restored prefix drafts from stale MTP KV: same output, other drafts
-    out_s, fin_s, st_s = _spec_restore_session(384, stale_mtp=True)
+    out_s, fin_s, st_s, dr_s = _spec_restore_session(384, stale_mtp=True)
     assert st_s["restores_host"] == 1 and out_s == out_d
-    assert acc(fin_s) != acc(fin_d)
+    assert dr_s != dr_d

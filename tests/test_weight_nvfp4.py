@@ -12,8 +12,8 @@ from hf_tiny import make_hf_model, save_hf  # noqa: E402
 from ninfer_mlc.compile import nvfp4  # noqa: E402
 from ninfer_mlc.compile.build import compile_model  # noqa: E402
 from ninfer_mlc.compile.weight_quant import dequantize_weight, from_modelopt, quantize_weight  # noqa: E402
-from ninfer_mlc.runtime import safetensors_io  # noqa: E402
-from ninfer_mlc.runtime.model_runner import ModelRunner  # noqa: E402
+from ninfer_mlc.contract import safetensors_io  # noqa: E402
+from ninfer_mlc.runtime.harness import Harness  # noqa: E402
 
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj",
              "gate_proj", "up_proj", "down_proj")
@@ -79,7 +79,7 @@ def test_nvfp4_model_matches_hf_with_dequantized_weights(tmp_path, modelopt):
     ids = torch.randint(0, model.config.vocab_size, (1, 90), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = model(ids).logits[0].numpy()
-    runner = ModelRunner(art, kv_capacity_tokens=512, num_slots=2)
+    runner = Harness(art, kv_capacity_tokens=512, num_slots=2)
     manifest_params = {n: dt for n, _, dt in runner.manifest.params}
     assert manifest_params["model.layers.0.mlp.gate_up_proj.weight"] == "uint8"
     seq = runner.new_seq()

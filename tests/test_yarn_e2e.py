@@ -20,8 +20,8 @@ from hf_tiny import make_hf_model, save_hf  # noqa: E402
 
 from ninfer_mlc.cli import main  # noqa: E402
 from ninfer_mlc.compile.build import compile_model  # noqa: E402
-from ninfer_mlc.runtime.artifact import read_manifest  # noqa: E402
-from ninfer_mlc.runtime.model_runner import ContextLimitError, ModelRunner  # noqa: E402
+from ninfer_mlc.contract.manifest import read_manifest  # noqa: E402
+from ninfer_mlc.runtime.harness import Harness  # noqa: E402
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -74,7 +74,7 @@ def test_prefill_and_decode_match_hf_past_original_context(case):
     _, _, art, ids, ref, unscaled = case
     # the scaling matters at these positions: the unscaled model is far off
     assert rel_err(unscaled[ORIG:PROMPT], ref[ORIG:PROMPT]) > 20 * REL_TOL  # measured 0.056 yarn, 0.048 linear
-    runner = ModelRunner(art, num_slots=2)
+    runner = Harness(art, num_slots=2)
     seq = runner.new_seq()
     (a,) = runner.prefill([(seq, ids[:200])], all_logits=True)
     (b,) = runner.prefill([(seq, ids[200:PROMPT])], all_logits=True)
@@ -112,13 +112,13 @@ def test_max_context_past_scaled_limit_is_refused(case, tmp_path, capsys):
 def test_runtime_refuses_sequences_past_max_context(case):
     _, _, art, ids, _, _ = case
     limit = int(ORIG * FACTOR)
-    runner = ModelRunner(art, kv_capacity_tokens=2 * limit, num_slots=2)  # pages are not the limit
+    runner = Harness(art, kv_capacity_tokens=2 * limit, num_slots=2)  # pages are not the limit
     seq = runner.new_seq()
     runner.prefill([(seq, ids[:PROMPT])])
-    with pytest.raises(ContextLimitError, match=f"max_context {limit}"):
+    with pytest.raises(ValueError, match=f"max_context {limit}"):
         runner.prefill([(seq, (ids * 2)[:limit - PROMPT + 1])])
     assert seq.length == PROMPT
     runner.prefill([(seq, (ids * 2)[:limit - PROMPT])])   # exactly at the limit is fine
-    with pytest.raises(ContextLimitError, match="--max-context"):
+    with pytest.raises(ValueError, match=f"max_context {limit}"):
         runner.decode([seq], [ids[0]])
     runner.free_seq(seq)

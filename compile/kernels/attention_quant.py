@@ -25,19 +25,7 @@ from tvm.script import tirx as T
 
 from .. import nvfp4 as F
 
-QUANT_KV_DTYPES = ("fp8", "nvfp4")
-FP8_ROW_PAD = 4  # E8M0 byte + 3 reserved zero bytes
-
-
-def kv_pool_layout(kv_dtype: str, head_dim: int) -> tuple[str, int]:
-    """(storage dtype, last pool extent) of a KV page row: plain dtypes keep head_dim elements."""
-    if kv_dtype == "nvfp4":
-        if head_dim % F.BLOCK:
-            raise ValueError(f"nvfp4 KV needs head_dim % {F.BLOCK} == 0, got {head_dim}")
-        return "uint8", F.nvfp4_row_bytes(head_dim)
-    if kv_dtype == "fp8":
-        return "uint8", head_dim + FP8_ROW_PAD
-    return kv_dtype, head_dim
+from ...contract.pool_layout import FP8_ROW_PAD, QUANT_KV_DTYPES, kv_row  # noqa: F401  (the page row contract)
 
 
 # ---------------------------------------------------------------------------- numpy reference (fp8)
@@ -189,7 +177,7 @@ def paged_attention_quant(
     """
     if kv_dtype not in QUANT_KV_DTYPES:
         raise ValueError(f"quantized KV dtype must be one of {QUANT_KV_DTYPES}, got {kv_dtype!r}")
-    _, row_bytes = kv_pool_layout(kv_dtype, head_dim)
+    _, row_bytes = kv_row(kv_dtype, head_dim)
     group = n_heads // n_kv
     neg_big = -3.0e38
     half = head_dim // 2

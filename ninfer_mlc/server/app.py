@@ -25,18 +25,18 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
 from . import anthropic_api, openai_api
+from .monitor import MONITOR_PATHS, make_stats_app, register_monitoring_routes
+from ..config import CLIError, flag_for, from_args
+from ..runtime.config import EngineConfig
+from ..runtime.errors import ConfigError
 from .errors import APIError, error_response, send_error
+from .options import SamplingFlags, ServeOptions
 from .state import ServerConfig, ServerState
 
 log = logging.getLogger("ninfer.server")
 
-try:  # /stats, /metrics, /monitor (server/monitor.py), when present
-    from . import monitor as _monitor
-except ImportError:  # pragma: no cover - the basic /stats below stands in
-    _monitor = None
-
 # reachable without an API key (anchor §3: /health, /stats and OPTIONS stay open)
-OPEN_PATHS = {"/health", "/stats"} | set(getattr(_monitor, "MONITOR_PATHS", ()))
+OPEN_PATHS = MONITOR_PATHS
 _DRAIN_CAP = 256 << 20  # read (and drop) at most this much of an oversized body before answering 413
 
 
@@ -104,16 +104,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not getattr(state.engine, "_running", True):
+        if not state.engine.running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok"}
 
-    if _monitor is not None:
-        _monitor.register_monitoring_routes(app, lambda: state.engine, state.http, state.config.model_id)
-    else:
-        @app.get("/stats")
-        async def stats():
-            return state.stats()
+    register_monitoring_routes(app, lambda: state.engine, state.http, state.config.model_id)
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
@@ -148,154 +143,110 @@ def create_app(state: ServerState) -> FastAPI:
 
 
 def create_stats_app(state: ServerState) -> FastAPI:
-    """The ``--stats-port`` listener: /health, /stats (+ /metrics, /monitor), never authenticated."""
-    if _monitor is not None:
-        return _monitor.make_stats_app(lambda: state.engine, state.http, state.config.model_id)
-    app = FastAPI(title="ninfer-mlc stats", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/stats")
-    async def stats():
-        return state.stats()
-
-    return app
+    """The ``--stats-port`` listener: /health, /stats, /metrics, /monitor, never authenticated."""
+    return make_stats_app(lambda: state.engine, state.http, state.config.model_id)
 
 
 # ---- ninfer serve -------------------------------------------------------------------------
-def _cli_error(msg: str):
-    from ..cli import CLIError
-
-    return CLIError(msg)
-
-
-_SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p",
-                   "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
-                   "seed": "--seed"}
-
-
-def sampling_overrides_from_args(args) -> dict:
+def sampling_overrides(flags: SamplingFlags) -> dict:
     from ..runtime.sampling import SamplingError, merge_sampling_params
 
-    over = {k: getattr(args, k, None) for k in _SAMPLING_FLAGS}
-    over = {k: v for k, v in over.items() if v is not None}
-    if getattr(args, "greedy", False):
+    over = flags.overrides()
+    if flags.greedy:
         if over.get("temperature", 0) != 0:
-            raise _cli_error("--greedy contradicts --temperature")
+            raise CLIError("--greedy contradicts --temperature")
         over["temperature"] = 0.0
     try:
         merge_sampling_params(over)
     except SamplingError as e:
-        raise _cli_error(f"{_SAMPLING_FLAGS.get(e.param, e.param)}: {e.message}") from None
+        raise CLIError(f"{flag_for(e.param)}: {e.message}") from None
     return over
 
 
-def check_flags(args, manifest) -> dict:
-    """Validate the flags against the artifact; return the pieces ``load_state`` needs."""
-    from ..runtime.engine import EngineOptions
-
-    if not 0 <= args.port <= 65535:
-        raise _cli_error(f"--port must be in 0..65535, got {args.port}")
-    if not 0 <= args.stats_port <= 65535:
-        raise _cli_error(f"--stats-port must be in 0..65535 (0 = off), got {args.stats_port}")
-    if args.stats_port and args.stats_port == args.port:
-        raise _cli_error("--stats-port must differ from --port")
-    if getattr(args, "default_thinking_budget", None) is not None and args.default_thinking_budget < 1:
-        raise _cli_error(f"--default-thinking-budget must be >= 1, got {args.default_thinking_budget}")
-    if not args.max_request_mib > 0:
-        raise _cli_error(f"--max-request-mib must be > 0, got {args.max_request_mib}")
-    if args.default_max_tokens < 1:
-        raise _cli_error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
-    if args.api_key is not None and not args.api_key.strip():
-        raise _cli_error("--api-key must not be empty")
-    native = int(manifest.max_context)
-    max_context = native if args.max_context is None else args.max_context
-    if max_context < 2:
-        raise _cli_error(f"--max-context must be >= 2, got {max_context}")
-    if max_context > native:
-        raise _cli_error(f"--max-context {max_context} exceeds the {native} tokens this artifact was compiled for "
-                         f"(recompile with `ninfer compile --max-context`)")
-    concurrency = args.max_concurrency
-    kv = "auto" if args.kv_capacity == "auto" else None
-    if args.kv_capacity not in (None, "auto"):
+def check_serve_options(opts: ServeOptions, max_context: int) -> None:
+    """Flags of the HTTP layer; every error names its flag."""
+    if not 0 <= opts.port <= 65535:
+        raise CLIError(f"--port must be in 0..65535, got {opts.port}")
+    if not 0 <= opts.stats_port <= 65535:
+        raise CLIError(f"--stats-port must be in 0..65535 (0 = off), got {opts.stats_port}")
+    if opts.stats_port and opts.stats_port == opts.port:
+        raise CLIError("--stats-port must differ from --port")
+    if opts.default_thinking_budget is not None and opts.default_thinking_budget < 1:
+        raise CLIError(f"--default-thinking-budget must be >= 1, got {opts.default_thinking_budget}")
+    if not opts.max_request_mib > 0:
+        raise CLIError(f"--max-request-mib must be > 0, got {opts.max_request_mib}")
+    if opts.api_key is not None and not opts.api_key.strip():
+        raise CLIError("--api-key must not be empty")
+    if opts.chat_template is not None and not os.path.isfile(opts.chat_template):
+        raise CLIError(f"--chat-template: no such file {opts.chat_template}")
+    if opts.request_log_jsonl:
         try:
-            kv = int(args.kv_capacity)
-        except ValueError:
-            raise _cli_error(f"--kv-capacity must be a token count or 'auto', got {args.kv_capacity!r}") from None
-        if kv < max_context:
-            raise _cli_error(f"--kv-capacity {kv} is smaller than --max-context {max_context}")
-    if args.device not in ("auto", "cpu", "cuda"):
-        raise _cli_error(f"--device must be auto, cpu or cuda, got {args.device!r}")
-    opts = EngineOptions(max_concurrency=concurrency, max_pending=args.max_pending_requests,
-                         pending_timeout_ms=args.pending_timeout_ms, prefill_chunk=args.prefill_chunk,
-                         max_context=max_context, default_max_tokens=args.default_max_tokens)
-    # tiered KV / prefix reuse flags (options.add_cache_args), when this engine has them
-    for flag, field in (("no_prefix_reuse", "prefix_reuse"), ("device_state_slots", "device_state_slots"),
-                        ("host_kv_mib", "host_kv_mib"), ("host_state_slots", "host_state_slots"),
-                        ("host_ram_reserve_mib", "host_ram_reserve_mib"), ("max_cache_entries", "max_cache_entries")):
-        if hasattr(args, flag) and hasattr(opts, field):
-            v = getattr(args, flag)
-            setattr(opts, field, (not v) if flag == "no_prefix_reuse" else v)
-    from .options import apply_spec_args  # speculative decoding flags (--spec, --draft-tokens, ...)
-
-    apply_spec_args(args, opts)
-    try:
-        opts.validate()
-    except ValueError as e:
-        raise _cli_error(str(e)) from None
-    if args.request_log_jsonl:
-        try:
-            with open(args.request_log_jsonl, "a", encoding="utf-8"):
+            with open(opts.request_log_jsonl, "a", encoding="utf-8"):
                 pass
         except OSError as e:
-            raise _cli_error(f"--request-log-jsonl: cannot write {args.request_log_jsonl}: {e}") from None
-    return {"options": opts, "kv_capacity": kv, "overrides": sampling_overrides_from_args(args)}
+            raise CLIError(f"--request-log-jsonl: cannot write {opts.request_log_jsonl}: {e}") from None
+
+
+def engine_config(args, manifest) -> EngineConfig:
+    """EngineConfig from the flags, checked against the artifact (errors name the flag)."""
+    cfg = from_args(EngineConfig, args)
+    native = int(manifest.max_context)
+    if cfg.max_context is not None and cfg.max_context > native:
+        raise CLIError(f"--max-context {cfg.max_context} exceeds the {native} tokens this artifact was compiled for "
+                       f"(recompile with `ninfer compile --max-context`)")
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise CLIError(f"{flag_for(e.field)}: {e.message}") from None
+    max_context = cfg.max_context or native
+    if cfg.kv_capacity not in (None, "auto") and int(cfg.kv_capacity) < max_context:
+        raise CLIError(f"--kv-capacity {cfg.kv_capacity} is smaller than --max-context {max_context}")
+    return cfg
 
 
 def load_state(args, engine: Any = None) -> ServerState:
     """Flags -> a ready ``ServerState`` (loads the engine unless one is given)."""
     from ..chat_template import ChatTemplate, ChatTemplateError
+    from ..contract.manifest import ArtifactError, read_manifest
     from ..paths import default_model_dir
-    from ..runtime.artifact import ArtifactError, read_manifest
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     try:
         manifest = read_manifest(model_dir, verify="none")
     except ArtifactError as e:
-        raise _cli_error(f"model: {e}") from None
-    parts = check_flags(args, manifest)
-    if args.chat_template is not None and not os.path.isfile(args.chat_template):
-        raise _cli_error(f"--chat-template: no such file {args.chat_template}")
+        raise CLIError(f"model: {e}") from None
+    opts = from_args(ServeOptions, args)
+    cfg = engine_config(args, manifest)
+    check_serve_options(opts, cfg.max_context or manifest.max_context)
+    overrides = sampling_overrides(from_args(SamplingFlags, args))
     try:
-        template = ChatTemplate.from_model_dir(str(model_dir), args.chat_template)
+        template = ChatTemplate.from_model_dir(str(model_dir), opts.chat_template)
     except ChatTemplateError as e:
-        raise _cli_error(f"--chat-template: {e}" if args.chat_template else f"model: {e}") from None
+        raise CLIError(f"--chat-template: {e}" if opts.chat_template else f"model: {e}") from None
     if engine is None:
-        from ..generate import open_engine
+        from ..runtime.assemble import open_engine
 
-        runner_kw: dict = {"device": args.device, "cuda_graphs": getattr(args, "cuda_graphs", "on") == "on"}
-        if parts["kv_capacity"]:
-            runner_kw["kv_capacity_tokens"] = parts["kv_capacity"]
         try:
-            engine = open_engine(model_dir, parts["options"], **runner_kw)
+            engine = open_engine(model_dir, cfg)
+        except ConfigError as e:
+            raise CLIError(f"{flag_for(e.field)}: {e.message}") from None
         except (ArtifactError, ValueError, FileNotFoundError) as e:
-            raise _cli_error(f"model: {e}") from None
-    cfg = manifest.config
+            raise CLIError(f"model: {e}") from None
+    mcfg = manifest.config
     config = ServerConfig(
-        model_id=args.model_id or manifest.name,
-        max_context=engine.opt.max_context,
-        api_key=args.api_key,
-        cors=args.cors,
-        max_request_bytes=int(args.max_request_mib * (1 << 20)),
-        enable_thinking=not args.no_thinking,
-        preserve_thinking=args.preserve_thinking,
-        tolerant_tool_calls=args.tolerant_tool_calls,
-        default_thinking_budget=getattr(args, "default_thinking_budget", None),
-        sampling_overrides=parts["overrides"],
-        family=cfg.get("family") or cfg.get("model_type"),
-        request_log_path=args.request_log_jsonl,
+        model_id=opts.model_id or manifest.name,
+        max_context=engine.max_context,
+        api_key=opts.api_key,
+        cors=opts.cors,
+        max_request_bytes=int(opts.max_request_mib * (1 << 20)),
+        enable_thinking=opts.enable_thinking,
+        preserve_thinking=opts.preserve_thinking,
+        tolerant_tool_calls=opts.tolerant_tool_calls,
+        default_thinking_budget=opts.default_thinking_budget,
+        sampling_overrides=overrides,
+        model_sampling_defaults=dict(engine.generation.sampling),
+        family=mcfg.get("family") or mcfg.get("model_type"),
+        request_log_path=opts.request_log_jsonl,
     )
     return ServerState(engine, template, config)
 
@@ -369,7 +320,7 @@ def run_server(args) -> int:
                                                          port=args.stats_port, log_level="warning")))
     c = state.config
     print(f"ninfer: serving {c.model_id} on http://{args.host}:{args.port} (max context {c.max_context}, "
-          f"concurrency {state.engine.opt.max_concurrency})", flush=True)
+          f"concurrency {state.engine.cfg.max_concurrency})", flush=True)
     try:
         asyncio.run(serve_all(main, extra))
     finally:

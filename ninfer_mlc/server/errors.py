@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from starlette.responses import JSONResponse
 
-from ..runtime.engine import ContextTooLong, EngineError
+from ..runtime.errors import ContextTooLong, EngineError, EngineStopped, InvalidRequest, QueueFull, QueueTimeout
 from ..runtime.sampling import SamplingError
 
 # status -> (OpenAI error type, Anthropic error type)
@@ -47,9 +47,20 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
 
 
 def from_engine(e: EngineError, param: Optional[str] = None) -> APIError:
+    """Typed runtime errors -> HTTP status, code and the message a client sees."""
     if isinstance(e, ContextTooLong):
-        param = param or "messages"
-    return APIError(getattr(e, "status", 500), str(e), param=param, code=getattr(e, "code", None))
+        return APIError(400, f"{e}; shorten the prompt or raise --max-context", param=param or "messages",
+                        code="context_length_exceeded")
+    if isinstance(e, QueueFull):
+        return APIError(429, f"the server is at capacity: {e} (--max-pending-requests); retry shortly",
+                        code="server_overloaded")
+    if isinstance(e, QueueTimeout):
+        return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout")
+    if isinstance(e, EngineStopped):
+        return APIError(503, str(e), code="engine_stopped")
+    if isinstance(e, InvalidRequest):
+        return APIError(400, str(e), param=param, code="invalid_request")
+    return APIError(500, str(e), code="engine_error")
 
 
 def from_sampling(e: SamplingError, names: Optional[dict] = None) -> APIError:

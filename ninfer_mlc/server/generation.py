@@ -17,7 +17,8 @@ from starlette.concurrency import run_in_threadpool
 
 from ..chat_template import ChatTemplateError
 from ..reasoning import ReasoningStreamSplitter
-from ..runtime.engine import Delta, EngineError, Finished, GenRequest, RequestHandle
+from ..runtime.engine import Delta, Finished, GenRequest, RequestHandle
+from ..runtime.errors import EngineError
 from ..runtime.sampling import SamplingError, SamplingParams, resolve_sampling_params
 from ..tool_calls import ToolCall, ToolCallStreamDecoder
 from .errors import APIError, bad_request, from_engine, from_sampling
@@ -92,7 +93,7 @@ def resolve_params(state, layer: dict, names: dict, thinking: bool) -> SamplingP
     cfg = state.config
     try:
         return resolve_sampling_params(layer, cfg.sampling_overrides, cfg.family, thinking,
-                                       vocab_size=state.vocab_size)
+                                       vocab_size=state.vocab_size, model_defaults=cfg.model_sampling_defaults)
     except SamplingError as e:
         raise from_sampling(e, names) from None
     except (TypeError, ValueError) as e:  # shapes SamplingParams cannot even hold
@@ -170,7 +171,6 @@ class ChatStream:
         self.decoder = ToolCallStreamDecoder(tools, tolerant=tolerant) if tools else None
         self.token_text = token_text or (lambda t: str(t))
         self.calls: list[ToolCall] = []
-        self.reasoning_tokens = 0
         self._lead_ws = ""
         self._content_started = False
         self._pending_lp: list[dict] = []
@@ -181,8 +181,6 @@ class ChatStream:
         if delta.logprobs:
             self._pending_lp.extend(logprob_entries(delta, self.token_text))
         out: list[Out] = []
-        if self.splitter is not None and self.splitter.in_reasoning:
-            self.reasoning_tokens += len(delta.token_ids)
         if delta.text:
             if self.splitter is None:
                 self._answer(delta.text, out)
@@ -209,8 +207,8 @@ class ChatStream:
         reason = fin.reason
         if self.calls and reason == "stop":
             reason = "tool_calls"
-        usage = dict(fin.usage or {})
-        usage["reasoning_tokens"] = self.reasoning_tokens
+        usage = dict(fin.usage or {})  # the engine counts reasoning_tokens as it commits them
+        usage.setdefault("reasoning_tokens", 0)
         self.done = Done(reason, usage, dict(fin.timings or {}), fin.stop_matched, fin.error,
                          self._pending_lp or None, tool_parse)
         self._pending_lp = []

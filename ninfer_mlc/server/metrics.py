@@ -17,7 +17,7 @@ PREFIX = "ninfer"
 
 # fields that only ever grow, per section (all others are gauges)
 _COUNTERS: dict[str, set] = {
-    "http": {"requests_started"},
+    "http": {"requests_started", "responses_5xx"},
     "counters": {"*"},
     "cache_reuse": {"lookups", "frontier_hits", "checkpoint_hits", "misses", "reused_prompt_tokens",
                     "claim_conflicts", "session_shortlist_hits", "entries_added"},
@@ -47,10 +47,12 @@ _HELP: dict[str, str] = {
     "queue_queue_time_ms_last": "Queue time of the most recently admitted request (ms).",
     "queue_queue_time_ms_max": "Longest queue time seen (ms).",
     "spec_acceptance_rate": "Accepted / drafted speculative tokens.",
+    "http_responses_by_status": "HTTP answers by status code (rejected requests included).",
+    "http_errors_by_type": "Error answers by error type.",
 }
 
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_:]")
-_SKIP = {"schema", "schema_version", "timestamp_unix_ms"}
+_SKIP = {"schema", "schema_version", "timestamp_unix_ms", "snapshot_unix_ms"}
 _INFO_SKIP = {"memory_last_veto"}  # free text that changes at runtime: a new series each time
 
 
@@ -115,6 +117,13 @@ def prometheus_text(stats: dict) -> str:
             elif isinstance(v, str):
                 if _metric_name(section, field) not in _INFO_SKIP:
                     info[_metric_name(section, field)] = v
+            elif isinstance(v, dict) and v and section == "http":  # answers by status / errors by type
+                label = "status" if field == "responses_by_status" else "type"
+                name = _metric_name(PREFIX, section, field) + "_total"
+                lines.append(f"# HELP {name} {_HELP.get(key, key.replace('_', ' '))}")
+                lines.append(f"# TYPE {name} counter")
+                for lv, n in sorted(v.items()):
+                    lines.append(f'{name}{{{label}="{_label_value(lv)}"}} {_fmt(n)}')
             elif isinstance(v, list) and section == "queue" and field == "recent":
                 emit(_metric_name(PREFIX, "queue_recent_requests"), "gauge", len(v), "queue_recent_requests")
     if info:

@@ -72,7 +72,7 @@ from tvm.script import tirx as T
 
 from ..attention_quant import (
     FP8_ROW_PAD, QUANT_KV_DTYPES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_decode_abs, e4m3_encode,
-    e4m3_encode_abs, kv_pool_layout, pow2_from_e8m0,
+    e4m3_encode_abs, kv_row, pow2_from_e8m0,
 )
 
 NEG_BIG = -3.0e38
@@ -461,7 +461,7 @@ def paged_attention(
     quant = kv_dt in QUANT_KV_DTYPES
     if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
         raise NotImplementedError(f"CUDA paged attention has no kernel for {kv_dt} KV pages")
-    pool_dt, row_bytes = kv_pool_layout(kv_dt, head_dim)
+    pool_dt, row_bytes = kv_row(kv_dt, head_dim)
     nvfp4 = kv_dt == "nvfp4"
     half = head_dim // 2
     nblk = head_dim // NVFP4_BLOCK

@@ -1,7 +1,7 @@
 """The compiled-model artifact: a directory with a manifest, a library, weight shards, tokenizer.
 
-This module is the contract between `ninfer compile` (writer) and the runtime (reader); it needs
-no TVM so the server can inspect an artifact before loading anything heavy.
+`ninfer compile` writes the manifest, the runtime reads it; it names the library, the parameter
+list in call order, the dtypes, the page size and context limit, and a sha256 of every file.
 """
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .pool_layout import PoolLayout
 
 SCHEMA = "ninfer-mlc-artifact"
 SCHEMA_VERSION = 1
@@ -46,6 +48,10 @@ class Manifest:
     extras: dict = field(default_factory=dict)
     schema: str = SCHEMA
     schema_version: int = SCHEMA_VERSION
+
+    def layout(self) -> PoolLayout:
+        """Shapes of the pools this library's functions take."""
+        return PoolLayout.of(self.config, self.dtype, self.kv_dtype, self.page_size)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)

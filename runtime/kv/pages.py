@@ -1,13 +1,12 @@
-"""Device KV page allocator: 64-token pages with reference counts.
+"""Device KV page and state-slot allocators (owned by the KV manager, nobody else).
 
-Reference counts let a prefix cache and a live sequence share full pages; a page is only
-returned to the free list when its last holder lets go.
+Pages are 64-token blocks with reference counts, so a prefix cache entry and a live sequence share
+full pages; a page returns to the free list when its last holder lets go. Allocation answers None
+when there is not enough: the KV manager decides what to free, the scheduler what to preempt.
 """
 from __future__ import annotations
 
-
-class OutOfPages(RuntimeError):
-    pass
+from typing import Optional
 
 
 class PageAllocator:
@@ -29,9 +28,9 @@ class PageAllocator:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc(self, n: int) -> Optional[list[int]]:
         if n > len(self._free):
-            raise OutOfPages(f"need {n} KV pages, {len(self._free)} free")
+            return None
         out = [self._free.pop() for _ in range(n)]
         for p in out:
             self._refs[p] = 1
@@ -69,7 +68,7 @@ class SlotAllocator:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> int | None:
+    def alloc(self) -> Optional[int]:
         if not self._free:
             return None
         s = self._free.pop()

@@ -1,0 +1,74 @@
+"""Put an engine together for an artifact: executor (library + weights + pools), KV manager with its
+prefix cache and host tier, tokenizer, generation defaults, engine thread.
+
+This is the one place that knows how the pieces are sized from an EngineConfig.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from ..contract.generation import read_generation_defaults
+from .config import EngineConfig
+from .engine import Engine
+from .executor.model_runner import ModelRunner
+from .kv.host_tier import HostTier
+from .kv.manager import KVManager
+from .kv.prefix_cache import PrefixCache
+from .scheduler.scheduler import ThinkControl
+from .stats import ModelInfo
+from .tokenizer import load_tokenizer
+
+TURN_START = "<|im_start|>"
+# what Qwen's own serving inserts when a thinking budget runs out
+THINK_EARLY_CLOSE = ("\n\nConsidering the limited time by the user, I have to give the solution based on the "
+                     "thinking directly now.\n</think>\n\n")
+
+
+def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> int:
+    """Device KV pool size: the configured token count, 'auto' (free device memory), or by default
+    all free memory on CUDA and max_context x max_concurrency on the CPU."""
+    cap = cfg.kv_capacity
+    if cap is None:
+        cap = "auto" if runner.device_kind == "cuda" else max_context * cfg.max_concurrency
+    if str(cap) == "auto":
+        cap = runner.auto_kv_tokens(cfg.device_slots)
+    return int(cap)
+
+
+def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo_reader=None,
+                start: bool = True) -> Engine:
+    cfg = (cfg or EngineConfig()).validate()
+    runner = ModelRunner(art_dir, device=cfg.device)
+    m = runner.manifest
+    max_context = min(cfg.max_context or m.max_context, m.max_context)
+    num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
+    runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    cache = host = None
+    if cfg.prefix_reuse:
+        cache = PrefixCache(cfg.max_cache_entries)
+        if cfg.host_kv_mib > 0:
+            host = HostTier(runner, cfg.host_kv_mib, cfg.host_state_slots, cfg.host_ram_reserve_mib,
+                            meminfo_reader=meminfo_reader)
+    kv = KVManager(runner, num_pages, cfg.device_slots, cache, host)
+    tok = load_tokenizer(art_dir)
+    gen = read_generation_defaults(art_dir, m.config)
+    turn = tok.encode(TURN_START, add_special_tokens=False).ids if tok.token_to_id(TURN_START) is not None else []
+    end_id = tok.token_to_id("</think>")
+    think = ThinkControl(tok.token_to_id("<think>"), end_id,
+                         tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids if end_id is not None else [])
+    dev = runner.dev
+    info = ModelInfo(
+        name=m.name, architecture=str(m.config.get("architecture") or ""), target=m.target, dtype=m.dtype,
+        kv_dtype=m.kv_dtype, device=f"{runner.device_kind}:{int(getattr(dev, 'index', 0) or 0)}",
+        device_name=str(getattr(dev, "device_name", "") or "") if runner.device_kind == "cuda" else "",
+        device_total_bytes=int(getattr(dev, "total_global_memory", 0) or 0) if runner.device_kind == "cuda" else 0,
+        load_seconds=round(runner.load_seconds, 6), max_context=max_context, page_size=runner.page_size,
+        kv_pages=num_pages, kv_page_bytes=runner.page_bytes, state_slots=cfg.device_slots,
+        state_slot_bytes=runner.layout.state_slot_bytes, weights_bytes=runner.weights_bytes,
+        prefix_reuse=cache is not None, host_tier=host is not None,
+        max_cache_entries=cfg.max_cache_entries if cache is not None else 0,
+        host_state_slots=cfg.host_state_slots if host is not None else 0)
+    eng = Engine(runner, kv, tok, cfg, gen.eos_ids(tok.token_to_id), turn_start=turn, think=think, model_info=info,
+                 generation=gen)
+    return eng.start() if start else eng

@@ -1,0 +1,126 @@
+"""EngineConfig: every setting of the engine, its default and its help text, in one typed place.
+
+The CLI generates its `ninfer serve` flags from these fields (ninfer_mlc/config.py: field
+`max_concurrency` is flag `--max-concurrency`), and embedders construct it directly. `validate`
+raises ConfigError naming the field; it never mentions flags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import ConfigError
+
+SPEC_METHODS = ("none", "mtp", "draft")
+MAX_DRAFT_TOKENS = 5
+MAX_CONCURRENCY = 8
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class EngineConfig:
+    # ---- loading
+    device: str = _f("auto", "where the library runs: auto (the artifact's target), cpu or cuda",
+                     choices=("auto", "cpu", "cuda"))
+    kv_capacity: Optional[str] = _f(None, "device KV pool in tokens, or 'auto' (all free device memory but 1 GiB); "
+                                          "default: max-context x max-concurrency, at least max-context")
+    cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
+    # ---- scheduling
+    max_context: Optional[int] = _f(None, "per-sequence token limit (default: the artifact's)")
+    max_concurrency: int = _f(4, f"active sequences (continuous batching), 1..{MAX_CONCURRENCY}")
+    max_pending_requests: int = _f(16, "waiting requests beyond the active set; a full queue rejects new ones")
+    pending_timeout_ms: int = _f(30000, "how long a request may wait in the queue before it is rejected")
+    prefill_chunk: int = _f(512, "prompt tokens per prefill step (shared by the sequences prefilling)")
+    default_max_tokens: int = _f(8192, "generated-token limit when a request gives none")
+    # ---- tiered KV / prefix reuse
+    prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier")
+    device_state_slots: Optional[int] = _f(None, "device state slots for cached checkpoints beyond the active "
+                                                 "lanes (default: max-concurrency)")
+    host_kv_mib: float = _f(1024.0, "ceiling of the host tier (pinned KV pages + state slots), MiB; 0 = no host tier")
+    host_state_slots: int = _f(8, "host state slots kept as a floor")
+    host_ram_reserve_mib: float = _f(2048.0, "RAM that host-tier growth must leave free, MiB")
+    max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)")
+    # ---- speculative decoding
+    spec: str = _f("none", "speculative decoding: mtp (the model's MTP head) or draft (a second compiled model)",
+                   choices=SPEC_METHODS)
+    draft_tokens: int = _f(3, f"draft tokens proposed per round, 1..{MAX_DRAFT_TOKENS}")
+    draft_model: Optional[str] = _f(None, "spec draft: compiled drafter directory (same tokenizer)")
+    lm_head_draft: Optional[str] = _f(None, "spec mtp: shortlisted proposal head, N (the N lowest token ids) or a "
+                                            "file of token ids; verification always uses the full head")
+
+    # -------------------------------------------------------------------------------------------
+    def validate(self) -> "EngineConfig":
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(name, msg)
+
+        def integer(name: str) -> int:
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool), name, f"must be an integer, got {v!r}")
+            return v
+
+        need(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        if self.kv_capacity is not None and str(self.kv_capacity) != "auto":
+            try:
+                cap = int(str(self.kv_capacity))
+            except ValueError:
+                raise ConfigError("kv_capacity", f"must be a token count or 'auto', got {self.kv_capacity!r}") from None
+            need(cap >= 1, "kv_capacity", f"must be >= 1, got {cap}")
+        need(1 <= integer("max_concurrency") <= MAX_CONCURRENCY, "max_concurrency",
+             f"must be in 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
+        need(integer("max_pending_requests") >= 0, "max_pending_requests", "must be >= 0")
+        need(integer("pending_timeout_ms") >= 1, "pending_timeout_ms", "must be >= 1")
+        need(integer("prefill_chunk") >= 1, "prefill_chunk", "must be >= 1")
+        need(integer("default_max_tokens") >= 1, "default_max_tokens", "must be >= 1")
+        if self.max_context is not None:
+            need(integer("max_context") >= 2, "max_context", f"must be >= 2, got {self.max_context}")
+        if self.device_state_slots is not None:
+            need(integer("device_state_slots") >= 0, "device_state_slots", "must be >= 0")
+        for name in ("host_kv_mib", "host_ram_reserve_mib"):
+            need(float(getattr(self, name)) >= 0, name, "must be >= 0")
+        need(integer("host_state_slots") >= 0, "host_state_slots", "must be >= 0")
+        need(integer("max_cache_entries") >= 1, "max_cache_entries", "must be >= 1")
+        self._validate_spec()
+        return self
+
+    def _validate_spec(self) -> None:
+        if self.spec not in SPEC_METHODS:
+            raise ConfigError("spec", f"must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
+        d = self.draft_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DRAFT_TOKENS:
+            raise ConfigError("draft_tokens", f"must be an integer in 1..{MAX_DRAFT_TOKENS}, got {d!r}")
+        if self.spec == "draft":
+            if not self.draft_model:
+                raise ConfigError("draft_model", "spec draft needs a compiled drafter directory with the same tokenizer")
+            if not (Path(self.draft_model) / "manifest.json").is_file():
+                raise ConfigError("draft_model", f"{self.draft_model}: not a compiled model directory (no manifest.json)")
+        elif self.draft_model:
+            raise ConfigError("draft_model", "is only used with spec draft")
+        if self.lm_head_draft is not None:
+            if self.spec != "mtp":
+                raise ConfigError("lm_head_draft", "is only used with spec mtp")
+            v = str(self.lm_head_draft).strip()
+            if (v.isdigit() and int(v) < 1) or (not v.isdigit() and not Path(v).is_file()):
+                raise ConfigError("lm_head_draft", f"must be a positive token count or a file of token ids, got {v!r}")
+
+    # ---- derived sizes -----------------------------------------------------------------------
+    @property
+    def cached_state_slots(self) -> int:
+        """Device state slots that hold cached execution points (0 without prefix reuse)."""
+        if not self.prefix_reuse:
+            return 0
+        return self.max_concurrency if self.device_state_slots is None else self.device_state_slots
+
+    @property
+    def device_slots(self) -> int:
+        """All device state slots: active lanes, cached points, pre-verification snapshots."""
+        spec = self.max_concurrency if self.spec != "none" else 0
+        return self.max_concurrency + self.cached_state_slots + spec
+
+
+def config_fields() -> list:
+    return list(fields(EngineConfig))

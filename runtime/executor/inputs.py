@@ -1,0 +1,155 @@
+"""Persistent input buffers for the library's per-call arguments.
+
+A step's small inputs (token ids, positions, ragged offsets, page table, slot ids, logit rows) are
+written into host staging arrays that live as long as the runner and copied with one host->device
+copy each into device buffers of fixed address (views of the needed shape). The page table is kept
+per batch row and updated incrementally: a row remembers which sequence it held and how many of its
+pages it already has, so a growing sequence writes only its new page ids. Decode buffers never move,
+so CUDA graphs captured over their views stay valid; ragged (prefill/verify) buffers grow when a call
+needs more rows than they hold.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+
+
+class SeqLike(Protocol):
+    uid: int
+    slot: int
+    pages: list
+    length: int
+
+
+class _Buffer:
+    """One int32 host staging array + a device tensor of the same capacity."""
+
+    def __init__(self, tvm, dev, capacity: int):
+        self.host = np.zeros(max(1, capacity), np.int32)
+        self.dev = tvm.runtime.empty((self.host.size,), "int32", dev)
+
+    @property
+    def capacity(self) -> int:
+        return self.host.size
+
+    def upload(self, shape: tuple):
+        """Device view of the first prod(shape) staged values (copied now)."""
+        n = int(np.prod(shape))
+        view = self.dev._create_view(tuple(int(s) for s in shape), "int32", 0)
+        view.copyfrom(self.host[:n].reshape(shape))
+        return view
+
+
+class PageTableRows:
+    """Page ids per batch row [rows, max_pages], rewritten only where a row's sequence changed."""
+
+    def __init__(self, rows: int, max_pages: int):
+        self.table = np.zeros((rows, max_pages), np.int32)
+        self._owner = [-1] * rows
+        self._filled = [0] * rows
+
+    def fill(self, seqs: Sequence[SeqLike]) -> int:
+        """Bring rows 0..len(seqs)-1 up to date; returns the widest row (in pages)."""
+        width = 1
+        for i, s in enumerate(seqs):
+            n = len(s.pages)
+            if n > self.table.shape[1]:
+                raise ValueError(f"sequence holds {n} pages; the page table has room for {self.table.shape[1]}")
+            if self._owner[i] != s.uid or self._filled[i] > n:
+                self.table[i, :] = 0
+                self._owner[i], self._filled[i] = s.uid, 0
+            if self._filled[i] < n:
+                self.table[i, self._filled[i]:n] = s.pages[self._filled[i]:]
+                self._filled[i] = n
+            width = max(width, n)
+        return width
+
+
+class StepInputs:
+    """The runner's persistent argument buffers (one set for ragged calls, one for decode)."""
+
+    def __init__(self, tvm, dev, max_batch: int, max_pages: int, ragged_tokens: int = 1024):
+        self.tvm, self.dev = tvm, dev
+        self.max_batch, self.max_pages = max_batch, max_pages
+        # decode: fixed capacity (graph-safe)
+        self.d_tokens = _Buffer(tvm, dev, max_batch)
+        self.d_positions = _Buffer(tvm, dev, max_batch)
+        self.d_slots = _Buffer(tvm, dev, max_batch)
+        self.d_pages = _Buffer(tvm, dev, max_batch * max_pages)
+        self.d_rows = PageTableRows(max_batch, max_pages)
+        # ragged: grows with the largest call
+        self._alloc_ragged(ragged_tokens)
+        self.r_cu = _Buffer(tvm, dev, max_batch + 1)
+        self.r_slots = _Buffer(tvm, dev, max_batch)
+        self.r_pages = _Buffer(tvm, dev, max_batch * max_pages)
+        self.r_rows = PageTableRows(max_batch, max_pages)
+
+    def _alloc_ragged(self, n: int) -> None:
+        self.r_tokens = _Buffer(self.tvm, self.dev, n)
+        self.r_positions = _Buffer(self.tvm, self.dev, n)
+        self.r_seq = _Buffer(self.tvm, self.dev, n)
+        self.r_out = _Buffer(self.tvm, self.dev, n)
+
+    def _check_batch(self, b: int) -> None:
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"a step takes 1..{self.max_batch} sequences, got {b}")
+
+    @staticmethod
+    def _stage_table(rows: PageTableRows, buf: _Buffer, b: int, width: int):
+        staged = buf.host[: b * width].reshape(b, width)
+        np.copyto(staged, rows.table[:b, :width])
+        return buf.upload((b, width))
+
+    # ---- decode -------------------------------------------------------------------------
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], width_of=None) -> list:
+        """[tokens, positions, page_table, slot_ids] views for one token per sequence."""
+        b = len(seqs)
+        self._check_batch(b)
+        self.d_tokens.host[:b] = tokens
+        self.d_positions.host[:b] = [s.length for s in seqs]
+        self.d_slots.host[:b] = [s.slot for s in seqs]
+        width = self.d_rows.fill(seqs)
+        if width_of is not None:
+            width = min(width_of(width), self.max_pages)
+        return [self.d_tokens.upload((b,)), self.d_positions.upload((b,)),
+                self._stage_table(self.d_rows, self.d_pages, b, width), self.d_slots.upload((b,))]
+
+    # ---- ragged (prefill / verify) --------------------------------------------------------
+    def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int]],
+               out_rows: Optional[np.ndarray] = None,
+               starts: Optional[Sequence[int]] = None) -> tuple[list, np.ndarray, object]:
+        """[tokens, positions, token_seq, cu_seqlens, page_table, slot_ids] views, the cu_seqlens
+        values, and (when out_rows is given) a view of those row indices. Chunk i sits at positions
+        starts[i].. (default: the sequence's length, i.e. appended)."""
+        b = len(seqs)
+        self._check_batch(b)
+        lens = [len(t) for t in chunks]
+        n = int(sum(lens))
+        if n > self.r_tokens.capacity:
+            self._alloc_ragged(max(n, 2 * self.r_tokens.capacity))
+        cu = self.r_cu.host[: b + 1]
+        cu[0] = 0
+        np.cumsum(lens, out=cu[1:])
+        off = 0
+        for i, (s, t) in enumerate(zip(seqs, chunks)):
+            k = len(t)
+            p0 = s.length if starts is None else int(starts[i])
+            self.r_tokens.host[off:off + k] = t
+            self.r_positions.host[off:off + k] = np.arange(p0, p0 + k, dtype=np.int32)
+            self.r_seq.host[off:off + k] = i
+            off += k
+        self.r_slots.host[:b] = [s.slot for s in seqs]
+        width = self.r_rows.fill(seqs)
+        args = [self.r_tokens.upload((n,)), self.r_positions.upload((n,)), self.r_seq.upload((n,)),
+                self.r_cu.upload((b + 1,)), self._stage_table(self.r_rows, self.r_pages, b, width),
+                self.r_slots.upload((b,))]
+        rows_view = None
+        if out_rows is not None:
+            self.r_out.host[: out_rows.size] = out_rows
+            rows_view = self.r_out.upload((out_rows.size,))
+        return args, cu.copy(), rows_view
+
+    def tensor(self, a, dtype: str = "int32"):
+        """A one-off device tensor (rare arguments: MTP positions, shortlists)."""
+        return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=dtype), self.dev)

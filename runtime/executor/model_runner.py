@@ -1,0 +1,270 @@
+"""Execute a compiled model: weights on the device, the pools the runtime owns, persistent inputs.
+
+The runner runs the library's functions over sequences it is handed (state slot, page ids, length)
+and returns fp32 logits (and hidden states for speculative decoding). It allocates no pages or slots
+and advances no lengths: the KV manager owns those, the scheduler decides what runs. It only checks
+that what it is asked to run fits what was reserved.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from ...contract import safetensors_io
+from ...contract.manifest import Manifest, read_manifest
+from ...contract.pool_layout import PoolLayout
+from ..tvm_loader import device_for, import_tvm, load_vm
+from .cuda_graph import GraphedFunction, page_width_bucket
+from .inputs import SeqLike, StepInputs
+
+
+def np_dtype(dt: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+
+
+class ModelRunner:
+    AUTO_HEADROOM = 1 << 30
+
+    def __init__(self, art_dir: str | Path, device: str = "auto", device_index: int = 0, verify: str = "size"):
+        self.art_dir = Path(art_dir)
+        self.manifest: Manifest = read_manifest(self.art_dir, verify=verify)
+        m = self.manifest
+        self.cfg = m.config
+        kind = "cpu" if m.target == "llvm" else "cuda"
+        if device not in ("auto", kind):
+            raise ValueError(f"library {m.library} is built for {m.target}; it cannot run on device {device!r}")
+        self.device_kind = kind
+        self.tvm = import_tvm(kind)
+        self.dev = device_for(self.tvm, kind, device_index)
+        t0 = time.time()
+        self.vm = load_vm(self.tvm, self.art_dir / m.library, self.dev)
+        self.params = self._load_params()
+        self.load_seconds = time.time() - t0
+        self.layout: PoolLayout = m.layout()
+        self.page_size = m.page_size
+        self.vocab_size = int(self.cfg["vocab_size"])
+        has = self.vm.module.implements_function
+        self.has_verify = bool(has("verify") and has("prefill_h"))
+        self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
+        self.page_bytes = self.layout.page_bytes
+        self.conv_slot_bytes = self.layout.conv_slot_bytes
+        self.ssm_slot_bytes = self.layout.ssm_slot_bytes
+        self.kv_pool = self.conv_pool = self.ssm_pool = self.mtp_kv_pool = None
+        self.inputs: Optional[StepInputs] = None
+        self.decode_graphs: Optional[GraphedFunction] = None
+        self.num_pages = self.num_slots = 0
+
+    # ---- setup ---------------------------------------------------------------------------
+    def _load_params(self) -> list:
+        m = self.manifest
+        arrays: dict[str, np.ndarray] = {}
+        for rel in m.weight_shards:
+            arrays.update(safetensors_io.load(self.art_dir / rel))
+        out = []
+        self.weights_bytes = 0
+        for name, shape, _dtype in m.params:
+            a = arrays.get(name)
+            if a is None:
+                raise RuntimeError(f"{self.art_dir}: weight {name} missing from the shards")
+            if list(a.shape) != list(shape):
+                raise RuntimeError(f"{self.art_dir}: weight {name} has shape {a.shape}, library expects {shape}")
+            self.weights_bytes += a.nbytes
+            out.append(self.tvm.runtime.tensor(np.ascontiguousarray(a), self.dev))
+        return out
+
+    def auto_kv_tokens(self, num_slots: int) -> int:
+        """Tokens of KV that fit in the device memory left after weights, state slots and 1 GiB
+        (the artifact's max_context on the CPU, where memory is not the pool's limit)."""
+        free = int(getattr(self.dev, "available_global_memory", 0) or 0) if self.device_kind == "cuda" else 0
+        if free <= 0:
+            return self.manifest.max_context
+        per_token = self.layout.page_bytes / self.page_size
+        left = free - self.AUTO_HEADROOM - num_slots * self.layout.state_slot_bytes
+        return max(self.manifest.max_context, int(left // per_token))
+
+    def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None) -> None:
+        """Pools for num_pages KV pages and num_slots state slots, input buffers for max_batch rows."""
+        lay, empty = self.layout, self.tvm.runtime.empty
+        self.num_pages, self.num_slots = num_pages, num_slots
+        self.kv_pool = empty((num_pages,) + lay.kv_page, lay.kv_dtype, self.dev)
+        self.conv_pool = empty((num_slots,) + lay.conv_slot, lay.state_dtype, self.dev)
+        self.ssm_pool = empty((num_slots,) + lay.ssm_slot, "float32", self.dev)
+        self._np_kv, self._np_conv = np_dtype(lay.kv_dtype), np_dtype(lay.state_dtype)
+        if self.has_mtp:
+            self.mtp_kv_pool = empty((num_pages,) + lay.mtp_page, lay.kv_dtype, self.dev)
+            zero = np.zeros(lay.mtp_page, self._np_kv)  # a position the head never wrote must read finite values
+            for p in range(num_pages):
+                self.mtp_page_view(p).copyfrom(zero)
+        max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
+        self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
+        if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
+            self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
+
+    @property
+    def kv_shape(self) -> tuple:
+        return (self.num_pages,) + self.layout.kv_page
+
+    @property
+    def mtp_kv_shape(self) -> tuple:
+        return (self.num_pages,) + self.layout.mtp_page
+
+    # ---- raw views for state movement (host tier, checkpoints) -------------------------------
+    @staticmethod
+    def _view(pool, shape_tail, index: int, itemsize: int):
+        nbytes = int(np.prod(shape_tail)) * itemsize
+        return pool._create_view(tuple(shape_tail), pool.dtype, index * nbytes)
+
+    def page_view(self, page: int):
+        return self._view(self.kv_pool, self.layout.kv_page, page, self._np_kv.itemsize)
+
+    def mtp_page_view(self, page: int):
+        return self._view(self.mtp_kv_pool, self.layout.mtp_page, page, self._np_kv.itemsize)
+
+    def state_views(self, slot: int):
+        return (self._view(self.conv_pool, self.layout.conv_slot, slot, self._np_conv.itemsize),
+                self._view(self.ssm_pool, self.layout.ssm_slot, slot, 4))
+
+    def sync(self) -> None:
+        """Wait for queued device copies (host tier transfers are timed and must be complete)."""
+        if self.device_kind == "cuda":
+            self.dev.sync()
+
+    def read_state(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        conv, ssm = self.state_views(slot)
+        return conv.numpy(), ssm.numpy()
+
+    def write_state(self, slot: int, conv: np.ndarray, ssm: np.ndarray) -> None:
+        cv, sv = self.state_views(slot)
+        cv.copyfrom(np.ascontiguousarray(conv, dtype=self._np_conv))
+        sv.copyfrom(np.ascontiguousarray(ssm, dtype=np.float32))
+
+    def copy_state(self, src: int, dst: int) -> None:
+        for s, d in zip(self.state_views(src), self.state_views(dst)):
+            s.copyto(d)
+
+    def zero_state(self, slot: int) -> None:
+        self.write_state(slot, np.zeros(self.layout.conv_slot, self._np_conv),
+                         np.zeros(self.layout.ssm_slot, np.float32))
+
+    def read_pages(self, pages: list[int]) -> np.ndarray:
+        return np.stack([self.page_view(p).numpy() for p in pages]) if pages else \
+            np.zeros((0,) + self.layout.kv_page, self._np_kv)
+
+    def write_pages(self, pages: list[int], data: np.ndarray) -> None:
+        for p, block in zip(pages, data):
+            self.page_view(p).copyfrom(np.ascontiguousarray(block, dtype=self._np_kv))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.page_view(src).copyto(self.page_view(dst))
+        if self.mtp_kv_pool is not None:  # the MTP head's KV lives on the same page ids
+            self.mtp_page_view(src).copyto(self.mtp_page_view(dst))
+
+    # ---- forward -------------------------------------------------------------------------
+    def _pools(self) -> list:
+        return [self.kv_pool, self.conv_pool, self.ssm_pool, self.params]
+
+    def _check_room(self, seqs: Sequence[SeqLike], counts: Sequence[int]) -> None:
+        for s, n in zip(seqs, counts):
+            if n <= 0:
+                raise ValueError("a forward needs at least one token per sequence")
+            if s.length + n > len(s.pages) * self.page_size:
+                raise ValueError(f"sequence {s.uid}: {n} tokens at {s.length} exceed its {len(s.pages)} reserved pages")
+            if s.length + n > self.manifest.max_context:
+                raise ValueError(f"sequence {s.uid} would pass the compiled max_context {self.manifest.max_context}")
+
+    def _ragged(self, batch, out_rows=None):
+        seqs = [s for s, _ in batch]
+        chunks = [t for _, t in batch]
+        self._check_room(seqs, [len(t) for t in chunks])
+        return self.inputs.ragged(seqs, chunks, out_rows)
+
+    def prefill(self, batch: list[tuple[SeqLike, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
+        """Run a chunk of tokens for each (seq, tokens) at the sequence's length; returns per-sequence
+        logits ([V] for the last token, or [len, V] with all_logits)."""
+        lens = np.array([len(t) for _, t in batch], np.int64)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
+        args, cu, rows_view = self._ragged(batch, rows)
+        logits = self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy()
+        if all_logits:
+            return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
+        return list(logits)
+
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int]) -> np.ndarray:
+        """One token per sequence at its length; returns logits [B, V]."""
+        self._check_room(seqs, [1] * len(seqs))
+        # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
+        # attention split count, which follows the width, is the same in both modes)
+        bucket = page_width_bucket if self.device_kind == "cuda" else None
+        args = self.inputs.decode(seqs, tokens, bucket)
+        if self.decode_graphs is not None:
+            out = self.decode_graphs(args, self._pools())
+        else:
+            out = self.vm["decode"](*args, *self._pools())
+        return out[0].numpy()
+
+    # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
+    # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
+    # one-layer KV pool on the main model's page ids (same page tables, same allocator).
+    def prefill_h(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """prefill that also returns every row's final hidden state: ([V] last-token logits, [len, D]
+        hidden) per sequence."""
+        lens = np.array([len(t) for _, t in batch], np.int64)
+        rows = (np.cumsum(lens) - 1).astype(np.int32)
+        args, cu, rows_view = self._ragged(batch, rows)
+        out = self.vm["prefill_h"](*args, rows_view, *self._pools())
+        logits, hidden = out[0].numpy(), out[1].numpy()
+        return list(logits), [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))]
+
+    def verify(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """One batched multi-token target forward: ([len, V] logits, [len, D] hidden) per sequence.
+        KV is written and the GDN state advanced like a prefill; the caller rolls back rejections."""
+        args, cu, _ = self._ragged(batch)
+        out = self.vm["verify"](*args, *self._pools())
+        logits, hidden = out[0].numpy(), out[1].numpy()
+        return ([logits[cu[i]:cu[i + 1]] for i in range(len(batch))],
+                [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))])
+
+    def _check_mtp(self, seqs, tops) -> None:
+        if not self.has_mtp:
+            raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
+        for s, top in zip(seqs, tops):
+            if top >= len(s.pages) * self.page_size:
+                raise ValueError(f"MTP position {top} lies beyond the sequence's reserved pages")
+
+    def mtp_prefill(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]],
+                    shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """MTP rows for [(seq, hidden [m, D], next_tokens [m], first position)]: row j pairs the main hidden
+        at position p + j with the token at p + j + 1 and writes the head's KV at p + j. Returns the logits
+        ([b, V], or [b, len(shortlist)]) and output hidden [b, D] of each item's last row."""
+        seqs = [s for s, _, _, _ in items]
+        lens = [len(h) for _, h, _, _ in items]
+        if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
+            raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
+        self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
+        hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
+        last = (np.cumsum(lens) - 1).astype(np.int32)
+        args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
+                                                starts=[p for _, _, _, p in items])
+        ragged = [self.inputs.tensor(hidden, "float32")] + args[:3] + [args[4]]  # no cu_seqlens / slots
+        if shortlist is not None:
+            out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
+            return out[0].numpy()[last], out[1].numpy()[last]
+        out = self.vm["mtp_prefill"](*ragged, rows_view, self.mtp_kv_pool, self.params)
+        return out[0].numpy(), out[1].numpy()
+
+    def mtp_step(self, seqs: Sequence[SeqLike], hidden: np.ndarray, tokens, positions,
+                 shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """One MTP row per sequence (a chained draft step): (logits [b, V or len(shortlist)], hidden [b, D])."""
+        self._check_mtp(seqs, list(positions))
+        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions))
+        ragged = [self.inputs.tensor(np.ascontiguousarray(hidden, np.float32), "float32")] + args[:3] + [args[4]]
+        if shortlist is not None:
+            out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
+        else:
+            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+        return out[0].numpy(), out[1].numpy()

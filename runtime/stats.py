@@ -1,0 +1,108 @@
+"""Engine statistics: counters the engine thread mutates, and the one typed snapshot it produces
+for readers on other threads (/stats, /metrics and the monitor render it; nothing walks engine
+objects across threads)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Counters:
+    requests_total: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    requests_rejected_queue_full: int = 0
+    requests_rejected_context: int = 0
+    requests_queue_timeout: int = 0
+    computed_prefill_tokens: int = 0
+    committed_decode_tokens: int = 0
+    decode_rounds: int = 0
+    decode_row_rounds: int = 0
+    prefill_rounds: int = 0
+    preemptions: int = 0
+    step_failures: int = 0
+    queue_time_ms_last: float = 0.0
+    queue_time_ms_max: float = 0.0
+
+
+@dataclass
+class SpecCounters:
+    backend: str = "none"
+    draft_tokens_max: int = 0
+    rounds: int = 0
+    row_rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    verify_tokens: int = 0
+    recompute_tokens: int = 0
+    rollbacks: int = 0
+    no_draft_rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return round(self.accepted_tokens / self.draft_tokens, 6) if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_round(self) -> float:
+        return round(self.emitted_tokens / self.row_rounds, 6) if self.row_rounds else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    running: int = 0
+    prefilling: int = 0
+    decode_ready: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What was loaded and how the pools were sized (fixed after start-up)."""
+
+    name: str = ""
+    architecture: str = ""
+    target: str = ""
+    dtype: str = ""
+    kv_dtype: str = ""
+    device: str = ""
+    device_name: str = ""
+    device_total_bytes: int = 0
+    load_seconds: float = 0.0
+    max_context: int = 0
+    page_size: int = 0
+    kv_pages: int = 0
+    kv_page_bytes: int = 0
+    state_slots: int = 0
+    state_slot_bytes: int = 0
+    weights_bytes: int = 0
+    prefix_reuse: bool = False
+    host_tier: bool = False
+    max_cache_entries: int = 0
+    host_state_slots: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One consistent picture of the engine, taken on its own thread between steps."""
+
+    taken_unix_ms: int
+    running: bool
+    scheduler: SchedulerState
+    counters: Counters
+    spec: SpecCounters
+    model: ModelInfo
+    cache: dict = field(default_factory=dict)  # prefix cache: lookups, hits, entries ...
+    planner: dict = field(default_factory=dict)  # KV manager: demotions, evictions, restores ...
+    occupancy: dict = field(default_factory=dict)  # device pages / slots in use
+    transfers: dict = field(default_factory=dict)  # host tier copies: pages, bytes, seconds
+    arena: dict = field(default_factory=dict)  # pinned host arena: capacity, free, fragmentation
+    cuda_graphs: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["spec"]["acceptance_rate"] = self.spec.acceptance_rate
+        d["spec"]["tokens_per_round"] = self.spec.tokens_per_round
+        return d
