@@ -198,14 +198,13 @@ def test_gemv_only_in_decode_functions():
     assert not [gv for gv, _ in llvm.functions_items() if "gemv" in gv.name_hint]
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_gemv_cuda_source_on_cpu_emulator():
-    """The generated CUDA of the gemv kernels, run on the CPU (bench/gemv_gpu_check.py emulate):
-    one std::thread per CUDA thread, mma.sync / shuffles emulated from the PTX fragment layouts."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import gemv_gpu_check
+    """The generated CUDA of the gemv kernels, run on the CPU emulator (a fiber per CUDA thread, mma.sync /
+    shuffles emulated from the PTX fragment layouts), n on both sides of the host's n <= 8 launch branch."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gemv import run_emulation
 
-    rows = gemv_gpu_check.run_emulation(quick=True, log=lambda *_: None)
+    rows = run_emulation(quick=True, log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
 
@@ -257,30 +256,24 @@ def test_gdn_chunk_27b_compiles(tmp_path, arch, kw):
         assert all(int(x) <= 48 * 1024 for x in re.findall(r"(\d+) bytes smem", r.stderr)), r.stderr
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_gdn_chunk_cuda_source_on_cpu_emulator():
-    """The generated CUDA of gdn_chunk run on the CPU (bench/gdn_gpu_check.py emulate: a fiber per CUDA
-    thread, barriers and xor-shuffles emulated) matches the llvm kernel on ragged rows (empty,
-    length 1, partial chunks) with 1, 4 and 8 lanes per state column."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import gdn_gpu_check
+    """The generated CUDA of gdn_chunk run on the CPU emulator (a fiber per CUDA thread, barriers,
+    xor-shuffles and mma.sync tf32 emulated) matches the llvm kernel on ragged rows (empty, length 1,
+    partial chunks) with 1, 4 and 8 lanes per state column and the tensor-core launches."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gdn import run_emulation
 
-    rows = gdn_gpu_check.run_emulation(quick=True, log=lambda *_: None)
+    rows = run_emulation(quick=True, log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
 
 
-def _attn_check():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import attn_gpu_check
-
-    return attn_gpu_check
-
-
 def test_attention_reference_matches_llvm_kernel():
-    """bench/attn_gpu_check.py's float64 reference and page-byte expectations (what the GPU run
-    checks the CUDA attention against) agree with the llvm kernel: plain, fp8 and nvfp4 pages."""
-    C = _attn_check()
+    """The attention checks' float64 reference and page-byte expectations (what the emulator and the GPU
+    run of bench/attn_gpu_check.py check the CUDA attention against) agree with the llvm kernel: plain,
+    fp8 and nvfp4 pages."""
+    from ninfer_mlc.compile.kernels.cuda.emulate import attention as C
+
     cases = {m["name"]: m for m in C.all_cases()}
     for name in ("f32tiny_mixed", "emu_bf16_prefill", "emu_fp8_dec", "emu_nvfp4tiny"):
         r = C.llvm_case(cases[name])
@@ -292,10 +285,12 @@ def test_attention_cuda_source_on_cpu_emulator():
     """The generated CUDA of the paged attention (tensor-core path for bf16 pages, SIMT path for
     f32 / fp8 / nvfp4) run on the CPU emulator (fibers per thread; shuffles, barriers and
     mma.m16n8k16 emulated) matches the float64 reference; appended page bytes are exact."""
-    C = _attn_check()
+    from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
+    from ninfer_mlc.compile.kernels.cuda.emulate import attention as C
+
     cases = {m["name"]: m for m in C.all_cases()}
     names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec")
-    lib = C.EmuLib(C.kernel_funcs(baseline=False, variants=False, tags={cases[n]["tag"] for n in names}))
+    lib = EmuLib(C.kernel_funcs(tags={cases[n]["tag"] for n in names}))
     for name in names:
         r = C.emulate_case(cases[name], lib)
         assert r["ok"], (name, r)
@@ -310,7 +305,9 @@ def test_attention_kernels_compile_without_spills(tmp_path):
 
     ks = {f"attn_{kv or 'bf16'}": kernel_set("cuda", kv).paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16)
           .with_attr("global_symbol", f"attn_{kv or 'bf16'}") for kv in (None, "fp8", "nvfp4")}
-    src, _ = _attn_check().cuda_source(ks)
+    from ninfer_mlc.compile.kernels.cuda.emulate import cuda_source
+
+    src, _ = cuda_source(ks)
     assert "__launch_bounds__(128, 2) attn_bf16_kernel_1(" in src and "mma.sync.aligned.m16n8k16" in src
     (tmp_path / "attn.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math",  # the flags TVM's nvcc path uses

@@ -51,8 +51,9 @@ Three launches inside the one prim_func (stream order is the barrier between the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
 The split partials live in a workspace allocated inside the function (TVMBackendAllocWorkspace);
-their maxima are in base-2 units. bench/attn_gpu_check.py checks the kernels against a float64
-reference on the GPU and in a CPU emulation of the generated CUDA (warp shuffles and mma included).
+their maxima are in base-2 units. The kernels are checked against a float64 reference on the GPU
+(bench/attn_gpu_check.py) and in a CPU emulation of the generated CUDA (warp shuffles and mma included;
+compile/kernels/cuda/emulate, tests/test_cuda_build.py).
 
 Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and bit-identical page
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
@@ -86,7 +87,7 @@ def _u32(v):
 
 
 def _dev_src(body: str, guard: bool = False) -> str:
-    # the markers let bench/attn_gpu_check.py swap these for its CPU emulation. guard: an include guard
+    # the markers let the CPU emulator (compile/kernels/cuda/emulate) swap these for its own versions. guard: an include guard
     # (named after the first function) so that several kernels' sources (prefill_source) may carry it
     if guard:
         name = re.search(r"(ninfer_attn_\w+)\(", body).group(1).upper()
@@ -171,7 +172,7 @@ def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: st
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
                 qb: int | None = None, dtype: str | None = None, mma: bool | None = None) -> dict:
-    """Static launch/layout choices of the attend launch (also used by bench/attn_gpu_check.py).
+    """Static launch/layout choices of the attend launch (also reported by bench/attn_gpu_check.py).
     mode: "mma" (tensor cores), else the SIMT row format ("vec" 16-bit/f32 pages, "fp8v", "nvfp4v",
     "scalar"); qb: positions per batch."""
     group = n_heads // n_kv
