@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -14,6 +12,7 @@ import numpy as np
 
 from ..contract import safetensors_io
 from ..contract.manifest import Manifest, write_manifest
+from . import libcache
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .model import PAGE_SIZE, Qwen3xForCausalLM
@@ -52,26 +51,6 @@ def rope_tables_for(cfg: ModelConfig, overrides: dict) -> tuple[np.ndarray, floa
     return inv_freq, float(factor), info
 
 
-def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool,
-               mtp: bool = False) -> str:
-    """Libraries depend only on geometry, dtypes, KV rotation, target, TVM and our compiler sources."""
-    import tvm
-
-    h = hashlib.sha256()
-    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    h.update(json.dumps([geo, dtype, kv_dtype, kv_hadamard, target.name, tvm.__version__], sort_keys=True).encode())
-    if mtp:  # the MTP head is compiled only when the checkpoint has it
-        h.update(b"mtp")
-    for src in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(src.read_bytes())
-    if target.kind == "cuda":  # schedule choices shape the CUDA library
-        from .gpu_pipeline import SCHEDULE_DIR
-
-        for f in sorted(Path(os.environ.get("NINFER_SCHEDULE_DIR", SCHEDULE_DIR)).glob("*.json")):
-            h.update(f.read_bytes())
-    return h.hexdigest()[:24]
-
-
 def fp4_mma_default(target: TargetSpec, weight_quant: str | None) -> bool:
     """--fp4-mma default: on for cuda:sm_120 with NVFP4 weights (the only place it can run)."""
     return target.kind == "cuda" and target.arch == "sm_120" and weight_quant == "nvfp4"
@@ -94,7 +73,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
-    directory to reuse libraries of identical geometry (the test suite does).
+    directory to reuse libraries of identical geometry (compile/libcache.py; the test suite does).
     """
     from tvm import relax
 
@@ -103,20 +82,16 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     kv_dtype = kv_dtype or dtype
     if fp4_mma and not fp4_mma_default(target, weight_quant):
         raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
+    key = libcache.library_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, weight_quant, fp4_mma)
+    specs = libcache.fetch(key, lib_path)
+    if specs is not None:
+        return specs
     # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
     arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
     with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
         model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
-    cache = os.environ.get("NINFER_LIB_CACHE")
-    key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
-           + ("-fp4mma" if fp4_mma else ""))
-    cached = Path(cache) / f"{key}.so" if cache else None
-    if cached is not None and cached.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(cached, lib_path)
-        return specs
     tgt = target.tvm_target()
     if target.kind == "cuda":
         from .gpu_pipeline import build_cuda
@@ -127,11 +102,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
         ex = relax.build(mod, target=tgt)
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     ex.export_library(str(lib_path))
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copy2(lib_path, tmp)
-        os.replace(tmp, cached)
+    libcache.store(key, lib_path, specs)
     return specs
 
 
