@@ -10,11 +10,14 @@ pages are uint8 rows, see attention_quant.py).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 from .attention_quant import QUANT_KV_DTYPES, paged_attention_quant
 
 
+@lru_cache(maxsize=None)
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None,

@@ -67,6 +67,7 @@ amax by comparing integer bit patterns (subnormals and NaN handled like the llvm
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -447,6 +448,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
 """
 
 
+@lru_cache(maxsize=None)
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
