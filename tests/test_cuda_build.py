@@ -98,36 +98,43 @@ def test_tiny_model_builds_for_sm90_as_fatbin(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")
-@pytest.mark.parametrize("kv_dtype", ["nvfp4", "fp8"])
-def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, kv_dtype):
-    """`ninfer compile --target cuda:sm_90 --quant bf16 --kv-dtype fp8|nvfp4` builds (fatbin, uint8 pool
-    rows of the llvm layout); the CUDA quantized attention keeps the llvm kernel's contract."""
+@pytest.mark.parametrize("quant,kv_dtype", [("bf16", "fp8"), ("nvfp4", "nvfp4")], ids=["bf16-fp8kv", "nvfp4-nvfp4kv"])
+def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, quant, kv_dtype):
+    """`ninfer compile --target cuda:sm_90 --quant bf16|nvfp4 --kv-dtype fp8|nvfp4` builds (fatbin, uint8 pool
+    rows of the llvm layout); the CUDA quantized attention keeps the llvm kernel's contract. With NVFP4
+    weights (one build for both NVFP4 formats) the decode GEMVs over the NVFP4 buffers are thread-bound
+    kernels of the library."""
     import json
 
     from hf_tiny import GEOMETRY
 
     from ninfer_mlc.compile.build import compile_model
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound, last_report
     from ninfer_mlc.contract.pool_layout import kv_row
 
     cuda, llvm = kernel_set("cuda", kv_dtype), kernel_set("llvm", kv_dtype)
     for args in ((4, 2, 32, 64, 3, "float32", 0.1), (24, 4, 256, 64, 3, "bfloat16", 1 / 16)):
         assert _contract(cuda.paged_attention(*args)) == _contract(llvm.paged_attention(*args))
-    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
-
     assert is_thread_bound(cuda.paged_attention(4, 2, 32, 64, 1, "bfloat16", 0.1))
 
     torch = pytest.importorskip("torch")  # noqa: F841
     from hf_tiny import make_hf_model, save_hf
 
     hf_dir = save_hf(make_hf_model("qwen3_5", seed=3), tmp_path / "hf")
-    art = compile_model(hf_dir, target="cuda:sm_90", quant="bf16", kv_dtype=kv_dtype, out_dir=tmp_path / "art",
-                        name=f"tiny-{kv_dtype}", log=lambda *_: None)
+    art = compile_model(hf_dir, target="cuda:sm_90", quant=quant, kv_dtype=kv_dtype, out_dir=tmp_path / "art",
+                        name=f"tiny-{quant}-{kv_dtype}", log=lambda *_: None)
     m = json.loads((art / "manifest.json").read_text())
     assert m["kv_dtype"] == kv_dtype and m["target"] == "cuda-sm_90"
     assert kv_row(kv_dtype, GEOMETRY["head_dim"])[0] == "uint8"
     data = (art / m["library"]).read_bytes()
     assert FATBIN_MAGIC in data, "no fatbin in the library: CUDA code was not compiled"
     assert b"__global__" not in data
+    if quant == "nvfp4":
+        assert m["extras"]["fp4_mma"] is False and m["extras"]["weight_quant"] == "nvfp4"
+        report = last_report()
+        if report:  # empty when the library came from the test cache
+            nv = {k: v for k, v in report.items() if k.startswith("gemv_nvfp4")}
+            assert nv and set(nv.values()) == {"thread-bound"}, report
 
 
 # ---- decode GEMV (compile/kernels/cuda/gemv.py) ---------------------------------------------------

@@ -135,25 +135,3 @@ extern "C" void dq(const unsigned* w, const unsigned* sc, unsigned* out, int cal
     lo = want[:, :, 0:4].reshape(-1, 16).astype(np.uint32)  # d[4m+i] = (element 8m+i, element 8m+i+4)
     hi = want[:, :, 4:8].reshape(-1, 16).astype(np.uint32)
     np.testing.assert_array_equal(out, lo | (hi << 16))
-
-
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None or __import__("shutil").which("gcc") is None,
-                    reason="needs nvcc and gcc")
-def test_nvfp4_model_builds_for_sm90_with_decode_gemv(tmp_path):
-    """`ninfer compile --quant nvfp4 --target cuda:sm_90`: the decode GEMVs over the NVFP4 buffers are
-    thread-bound kernels of the fatbin library."""
-    import json
-
-    from ninfer_mlc.compile.gpu_pipeline import last_report
-
-    hf_dir = save_hf(make_hf_model("qwen3_5", seed=3), tmp_path / "hf")
-    art = compile_model(hf_dir, target="cuda:sm_90", quant="nvfp4", out_dir=tmp_path / "art", name="tiny-nvfp4-sm90",
-                        log=lambda *_: None)
-    m = json.loads((art / "manifest.json").read_text())
-    assert m["target"] == "cuda-sm_90" and m["extras"]["fp4_mma"] is False
-    data = (art / m["library"]).read_bytes()
-    assert b"\x50\xed\x55\xba" in data and b"__global__" not in data
-    report = last_report()
-    if report:  # empty when the library came from the test cache
-        nv = {k: v for k, v in report.items() if k.startswith("gemv_nvfp4")}
-        assert nv and set(nv.values()) == {"thread-bound"}, report
