@@ -110,7 +110,7 @@ def test_state_save_restore_continues_exactly(case):
     runner.prefill([(other, ids[5:60])])  # dirty the pool in between
     seq2 = runner.new_seq()
     runner.write_state(seq2.slot, conv, ssm)
-    seq2.pages = runner.pages.alloc(len(pages))
+    seq2.pages = runner.kv.pages.alloc(len(pages))
     runner.write_pages(seq2.pages, pages)
     seq2.length = length
     lg = runner.decode([seq2], [ids[100]])[0]

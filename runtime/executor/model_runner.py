@@ -167,6 +167,13 @@ class ModelRunner:
     def _pools(self) -> list:
         return [self.kv_pool, self.conv_pool, self.ssm_pool, self.params]
 
+    def _check_tokens(self, chunks) -> None:
+        """A token id outside the vocabulary would index past the embedding table on the device."""
+        for t in chunks:
+            a = np.asarray(t)
+            if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+                raise ValueError(f"token id out of range [0, {self.vocab_size})")
+
     def _check_room(self, seqs: Sequence[SeqLike], counts: Sequence[int]) -> None:
         for s, n in zip(seqs, counts):
             if n <= 0:
@@ -180,6 +187,7 @@ class ModelRunner:
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
+        self._check_tokens(chunks)
         return self.inputs.ragged(seqs, chunks, out_rows)
 
     def prefill(self, batch: list[tuple[SeqLike, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
@@ -197,6 +205,7 @@ class ModelRunner:
     def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int]) -> np.ndarray:
         """One token per sequence at its length; returns logits [B, V]."""
         self._check_room(seqs, [1] * len(seqs))
+        self._check_tokens([tokens])
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
         # attention split count, which follows the width, is the same in both modes)
         bucket = page_width_bucket if self.device_kind == "cuda" else None
@@ -246,6 +255,7 @@ class ModelRunner:
         if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
             raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
         self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
+        self._check_tokens([t for _, _, t, _ in items])
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
         last = (np.cumsum(lens) - 1).astype(np.int32)
         args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
@@ -261,6 +271,7 @@ class ModelRunner:
                  shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """One MTP row per sequence (a chained draft step): (logits [b, V or len(shortlist)], hidden [b, D])."""
         self._check_mtp(seqs, list(positions))
+        self._check_tokens([tokens])
         args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions))
         ragged = [self.inputs.tensor(np.ascontiguousarray(hidden, np.float32), "float32")] + args[:3] + [args[4]]
         if shortlist is not None:
