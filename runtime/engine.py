@@ -283,6 +283,11 @@ class Engine:
         toks, lps = res if want_lp else (res, [None] * len(reqs))
         return {r.rid: RowResult([int(t)], [lp], fed=fed) for r, t, lp in zip(reqs, toks, lps)}
 
+    def audit(self) -> list[str]:
+        """KVManager.audit over the live sequences (call while the engine is idle: tests, debugging)."""
+        live = tuple(r.seq for r in list(self.scheduler.running.values()) + list(self.scheduler.waiting))
+        return self.kv.audit(live)
+
     # ---- statistics ------------------------------------------------------------------------------
     def _take_stats(self) -> EngineStats:
         kv = self.kv

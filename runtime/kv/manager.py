@@ -295,6 +295,55 @@ class KVManager:
     def drop_snapshot(self, slot: int) -> None:
         self.slots.release(slot)
 
+    # ---- accounting ------------------------------------------------------------------------
+    def audit(self, live: tuple = ()) -> list[str]:
+        """Every page, slot, claim and host extent accounted for: page reference counts equal the
+        holders (live sequences + device cache entries), used slots equal their holders, the host
+        arena holds exactly the cached host entries, nothing stays claimed. Returns the mismatches
+        (empty when consistent). Call only while no step runs (tests, debugging)."""
+        problems: list[str] = []
+        refs = [0] * self.pages.num_pages
+        slots: list[int] = []
+        entries = list(self.cache.entries.values()) if self.cache is not None else []
+        for s in live:
+            if s is None or s.slot is None:
+                continue
+            slots.append(s.slot)
+            for p in s.pages:
+                refs[p] += 1
+        host_allocs, host_slots = [], []
+        for e in entries:
+            if e.claimed:
+                problems.append(f"entry {e.eid} still claimed ({e.claimed})")
+            if e.tier == "device":
+                slots.append(e.slot)
+                for p in e.pages:
+                    refs[p] += 1
+            else:
+                host_allocs.append(e.host_alloc)
+                host_slots.append(e.host_slot)
+        for p in range(self.pages.num_pages):
+            if refs[p] != self.pages.refcount(p):
+                problems.append(f"page {p}: refcount {self.pages.refcount(p)}, holders {refs[p]}")
+        if len(slots) != len(set(slots)):
+            problems.append(f"a device state slot has two holders: {sorted(slots)}")
+        used = self.slots.num_slots - self.slots.free_slots
+        if used != len(set(slots)):
+            problems.append(f"{used} device state slots in use, {len(set(slots))} held")
+        if self.host is not None:
+            arena = self.host.arena
+            live_allocs = {id(a) for a in arena.live_allocations()}
+            held = {id(a) for a in host_allocs if a is not None}
+            if live_allocs != held:
+                problems.append(f"host arena holds {len(live_allocs)} allocations, cache entries {len(held)}")
+            if sorted(arena.occupied_state_slots()) != sorted(host_slots):
+                problems.append(f"host state slots {arena.occupied_state_slots()} vs entries {sorted(host_slots)}")
+            try:
+                arena.check_invariants()
+            except AssertionError as e:
+                problems.append(f"host arena: {e}")
+        return problems
+
     # ---- views -----------------------------------------------------------------------------
     def occupancy(self) -> dict:
         out = {"device_kv_pages_total": self.pages.num_pages, "device_kv_occupied_pages": self.pages.used_pages,
