@@ -157,8 +157,12 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  log=print) -> Path:
-    """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4)."""
+                  random_weights: int | None = None, log=print) -> Path:
+    """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
+    random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
+    tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
+    load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
+    unless asked (--allow-random-weights)."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     tspec = parse_target(target)
@@ -191,28 +195,33 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     if max_context > limit:
         raise ConfigError(f"--max-context {max_context} exceeds what the rope setup supports ({limit}); "
                           "raise --rope-scaling-factor")
-    name = name or f"{model_dir.name}-{quant}-{tspec.name}"
+    name = name or f"{model_dir.name}-{quant}-{tspec.name}" + ("-random" if random_weights is not None else "")
     out = Path(out_dir or Path("dist") / name)
-    if not list(model_dir.glob("*.safetensors")):
-        raise ConfigError(f"{model_dir} has no *.safetensors weights")
+    if random_weights is None and not list(model_dir.glob("*.safetensors")):
+        raise ConfigError(f"{model_dir} has no *.safetensors weights (--random-weights builds a benchmark "
+                          "artifact from config.json alone)")
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
     lib_rel = f"{name}.so"
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
-    mtp = cfg.mtp_num_hidden_layers >= 1 and checkpoint_has_mtp(
-        n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0])
+    mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(
+        n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0]))
     specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
                           fp4_mma=use_fp4_mma)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
-    np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
-    params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
-                          cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
-                          np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))))
+    if random_weights is None:
+        np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
+        params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
+                              cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
+                              np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))))
+    else:  # only the exact tables; the runtime draws the rest
+        params = {"rope_inv_freq": np.asarray(inv_freq, np.float32), "rope_attn_factor": np.array([factor], np.float32)}
     shards = write_weights(params, out)
-    log(f"converted {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s")
+    log(f"wrote {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s"
+        + (f" (random weights, seed {random_weights}: drawn at load time)" if random_weights is not None else ""))
     for f in TOKENIZER_FILES:
         if (model_dir / f).is_file():
             shutil.copy2(model_dir / f, out / f)
@@ -224,7 +233,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma)},
+                "fp4_mma": bool(use_fp4_mma),
+                **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {})},
     ))
     log(f"wrote {out}")
     return out

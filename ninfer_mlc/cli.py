@@ -17,7 +17,7 @@ def _compile(args) -> int:
     try:
         compile_model(args.model_dir, target=args.target, quant=args.quant, max_context=args.max_context,
                       out_dir=args.output, name=args.name, kv_dtype=args.kv_dtype, kv_hadamard=args.kv_hadamard,
-                      fp4_mma=args.fp4_mma,
+                      fp4_mma=args.fp4_mma, random_weights=args.random_weights,
                       rope_overrides={"scaling_type": args.rope_scaling_type, "factor": args.rope_scaling_factor,
                                       "original_context": args.rope_scaling_original_context})
     except (ConfigError, ConversionError, TargetError) as e:
@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NVFP4 projections: prefill rows on the sm_120a block-scaled FP4 tensor cores (activations "
                         "quantized to NVFP4 on the fly, per-token scale), decode rows keep the dequant GEMV. "
                         "Default: on for --target cuda:sm_120 --quant nvfp4, else off (needs both)")
+    c.add_argument("--random-weights", type=int, default=None, metavar="SEED",
+                   help="benchmark artifact: no converted weights (only config.json is read); every parameter is "
+                        "drawn on the device at load time from SEED. `ninfer serve` refuses it unless given "
+                        "--allow-random-weights")
     c.add_argument("-o", "--output", default=None, help="output directory (default dist/NAME)")
     c.add_argument("--name", default=None)
     c.add_argument("--rope-scaling-type", choices=["linear", "yarn"], default=None)

@@ -63,6 +63,7 @@ class ModelInfo:
     """What was loaded and how the pools were sized (fixed after start-up)."""
 
     name: str = ""
+    random_weights: bool = False  # a benchmark artifact: weights drawn at load time
     architecture: str = ""
     target: str = ""
     dtype: str = ""

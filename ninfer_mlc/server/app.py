@@ -216,6 +216,9 @@ def load_state(args, engine: Any = None) -> ServerState:
     except ArtifactError as e:
         raise CLIError(f"model: {e}") from None
     opts = from_args(ServeOptions, args)
+    if manifest.extras.get("random_weights") and not opts.allow_random_weights:
+        raise CLIError(f"model: {model_dir} is a random-weights benchmark artifact (ninfer compile --random-weights); "
+                       "its answers are noise. Pass --allow-random-weights to serve it for a benchmark")
     cfg = engine_config(args, manifest)
     check_serve_options(opts, cfg.max_context or manifest.max_context)
     overrides = sampling_overrides(from_args(SamplingFlags, args))
@@ -319,8 +322,9 @@ def run_server(args) -> int:
         extra.append(_NoSignalServer.make(uvicorn.Config(create_stats_app(state), host=args.host,
                                                          port=args.stats_port, log_level="warning")))
     c = state.config
+    random = " [RANDOM WEIGHTS: benchmark artifact, answers are noise]" if state.engine.model_info.random_weights else ""
     print(f"ninfer: serving {c.model_id} on http://{args.host}:{args.port} (max context {c.max_context}, "
-          f"concurrency {state.engine.cfg.max_concurrency})", flush=True)
+          f"concurrency {state.engine.cfg.max_concurrency}){random}", flush=True)
     try:
         asyncio.run(serve_all(main, extra))
     finally:

@@ -34,6 +34,8 @@ class ServeOptions:
     chat_template: Optional[str] = _f(None, "Jinja chat template file overriding the model's")
     cors: bool = _f(False, "permissive CORS headers")
     log_level: str = _f("info", "log verbosity", choices=LOG_LEVELS)
+    allow_random_weights: bool = _f(False, "serve a random-weights benchmark artifact (`ninfer compile "
+                                           "--random-weights`): its answers are noise; for benchmarks only")
 
 
 @dataclass

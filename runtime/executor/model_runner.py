@@ -47,6 +47,9 @@ class ModelRunner:
         self.layout: PoolLayout = m.layout()
         self.page_size = m.page_size
         self.vocab_size = int(self.cfg["vocab_size"])
+        # ids the tokenizer can produce: logits are cut to these (a padded or larger lm_head never samples
+        # an id that has no text); the engine sets it, the harness keeps the full width
+        self.sample_vocab = self.vocab_size
         has = self.vm.module.implements_function
         self.has_verify = bool(has("verify") and has("prefill_h"))
         self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
@@ -60,14 +63,27 @@ class ModelRunner:
 
     # ---- setup ---------------------------------------------------------------------------
     def _load_params(self) -> list:
+        """Weights from the shards; a random-weights benchmark artifact has only its exact tables there
+        and the rest is drawn on the device (executor/random_weights.py)."""
         m = self.manifest
         arrays: dict[str, np.ndarray] = {}
         for rel in m.weight_shards:
             arrays.update(safetensors_io.load(self.art_dir / rel))
+        drawn: dict = {}
+        self.random_weights = bool(m.extras.get("random_weights"))
+        if self.random_weights:
+            from .random_weights import generate
+
+            drawn = generate(m.params, set(arrays), int(m.extras["random_weights"].get("seed", 0)), self.dev, self.tvm)
         out = []
         self.weights_bytes = 0
-        for name, shape, _dtype in m.params:
+        for name, shape, dtype in m.params:
             a = arrays.get(name)
+            if a is None and name in drawn:
+                t = drawn[name]
+                self.weights_bytes += int(np.prod(shape)) * np_dtype(dtype).itemsize
+                out.append(t)
+                continue
             if a is None:
                 raise RuntimeError(f"{self.art_dir}: weight {name} missing from the shards")
             if list(a.shape) != list(shape):
@@ -167,6 +183,9 @@ class ModelRunner:
     def _pools(self) -> list:
         return [self.kv_pool, self.conv_pool, self.ssm_pool, self.params]
 
+    def _cut(self, logits: np.ndarray) -> np.ndarray:
+        return logits if self.sample_vocab >= logits.shape[-1] else logits[..., : self.sample_vocab]
+
     def _check_tokens(self, chunks) -> None:
         """A token id outside the vocabulary would index past the embedding table on the device."""
         for t in chunks:
@@ -197,7 +216,7 @@ class ModelRunner:
         cu = np.concatenate([[0], np.cumsum(lens)])
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
-        logits = self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy()
+        logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
         if all_logits:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
@@ -214,7 +233,7 @@ class ModelRunner:
             out = self.decode_graphs(args, self._pools())
         else:
             out = self.vm["decode"](*args, *self._pools())
-        return out[0].numpy()
+        return self._cut(out[0].numpy())
 
     # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
     # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
@@ -226,7 +245,7 @@ class ModelRunner:
         rows = (np.cumsum(lens) - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
         out = self.vm["prefill_h"](*args, rows_view, *self._pools())
-        logits, hidden = out[0].numpy(), out[1].numpy()
+        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return list(logits), [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))]
 
     def verify(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -234,7 +253,7 @@ class ModelRunner:
         KV is written and the GDN state advanced like a prefill; the caller rolls back rejections."""
         args, cu, _ = self._ragged(batch)
         out = self.vm["verify"](*args, *self._pools())
-        logits, hidden = out[0].numpy(), out[1].numpy()
+        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return ([logits[cu[i]:cu[i + 1]] for i in range(len(batch))],
                 [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))])
 
@@ -265,7 +284,7 @@ class ModelRunner:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
         out = self.vm["mtp_prefill"](*ragged, rows_view, self.mtp_kv_pool, self.params)
-        return out[0].numpy(), out[1].numpy()
+        return self._cut(out[0].numpy()), out[1].numpy()
 
     def mtp_step(self, seqs: Sequence[SeqLike], hidden: np.ndarray, tokens, positions,
                  shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
@@ -278,4 +297,5 @@ class ModelRunner:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
         else:
             out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+            return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()

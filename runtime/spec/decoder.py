@@ -36,7 +36,7 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
         raise ValueError(f"{runner.art_dir.name} lacks the verify/prefill_h functions; recompile it with this "
                          "version of `ninfer compile`")
     if cfg.spec == "mtp":
-        shortlist = load_shortlist(cfg.lm_head_draft, runner.vocab_size, eos_ids) if cfg.lm_head_draft else None
+        shortlist = load_shortlist(cfg.lm_head_draft, runner.sample_vocab, eos_ids) if cfg.lm_head_draft else None
         return MTPProposer(runner, shortlist)
     if cfg.spec == "draft":
         return DraftModelProposer(runner, kv.pages.num_pages, cfg.draft_model, slots=2 * cfg.max_concurrency + 1,
