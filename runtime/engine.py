@@ -17,6 +17,7 @@ from typing import Optional
 import numpy as np
 
 from .detokenizer import IncrementalDetokenizer
+from .grammar import ConstraintCompiler, ConstraintError, mask_logits
 from .kv_pages import OutOfPages
 from .model_runner import ModelRunner, SeqKV
 from .prefix_cache import identity_seed
@@ -46,6 +47,12 @@ class ContextTooLong(EngineError):
 
 class EngineStopped(EngineError):
     status, code = 503, "engine_stopped"
+
+
+class BadConstraint(EngineError):
+    """A GenRequest.constraint that cannot be compiled (runtime/grammar.py)."""
+
+    status, code = 400, "invalid_constraint"
 
 
 @dataclass
@@ -144,6 +151,7 @@ class GenRequest:
     thinking_budget: Optional[int] = None  # reasoning tokens before the engine closes </think> itself
     started_in_think: bool = False  # the prompt's generation prompt opened <think>
     cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
+    constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
 
 
 class RequestHandle:
@@ -234,6 +242,7 @@ class _Active:
         self.think_tokens = 0
         self.forced: list[int] = []
         self.ckpt_at: Optional[int] = None
+        self.grammar = None  # runtime.grammar.GrammarMatcher of a constrained request
 
     def fed_tokens(self) -> list[int]:
         """Prompt + generated tokens whose KV/state the sequence holds (or must hold)."""
@@ -268,6 +277,9 @@ class Engine:
             "decode_rounds": 0, "decode_row_rounds": 0, "prefill_rounds": 0, "preemptions": 0,
             "queue_time_ms_last": 0.0, "queue_time_ms_max": 0.0,
         }
+        # constrained decoding: specs -> xgrammar matchers (xgrammar loads on the first constrained request)
+        vocab = getattr(runner, "vocab_size", None) or tokenizer.get_vocab_size(with_added_tokens=True)
+        self.constraints = ConstraintCompiler(tokenizer, vocab, sorted(self.eos_ids))
         self.think_close: list[int] = []  # early-close text ending in </think> (set by open_engine)
         self.think_end_id: Optional[int] = None
         self.spec = None  # speculative decoding (runtime/speculative.py), when options.spec != "none"
@@ -311,6 +323,11 @@ class Engine:
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         a = _Active(rid, req, handle, max_tokens, stop_ids, self.tok)
+        if req.constraint is not None:  # [grammar hook] cached when the server compiled it first
+            try:
+                a.grammar = self.constraints.matcher(req.constraint, reasoning=req.started_in_think)
+            except ConstraintError as e:
+                raise BadConstraint(str(e)) from None
         with self._wake:
             waiting = len(self._pending)
             if waiting >= self.opt.max_pending and len(self._active) >= self.opt.max_concurrency:
@@ -505,7 +522,12 @@ class Engine:
         with self._lock:
             self._pending.appendleft(v)
 
+    def _constrain(self, acts: list[_Active], logits: np.ndarray) -> np.ndarray:
+        """[grammar hook] -inf on the tokens each constrained request's grammar forbids next."""
+        return mask_logits([a.grammar for a in acts], logits)
+
     def _sample_and_emit(self, acts: list[_Active], logits: np.ndarray) -> None:
+        logits = self._constrain(acts, logits)
         want_lp = any(a.req.params.logprobs for a in acts)
         res = self.sampler.sample(logits, [a.row for a in acts], return_logprobs=want_lp)
         toks, lps = (res if want_lp else (res, [None] * len(acts)))
@@ -536,9 +558,12 @@ class Engine:
         Returns False when the request finished."""
         if not a.t_first:
             a.t_first = now
+        if a.grammar is not None and not a.grammar.accept(t):  # [grammar hook] a forced token broke it
+            self._finish(a, "error", error=f"token {t} violates the response constraint")
+            return False
         a.generated.append(t)
         self.stats["committed_decode_tokens"] += 1
-        if t in a.stop_ids:
+        if t in a.stop_ids or (a.grammar is not None and a.grammar.is_terminated()):
             emit, stopped, matched = a.stops.feed(a.detok.flush())
             emit += "" if stopped else a.stops.flush()
             if emit:

@@ -330,6 +330,8 @@ class Speculator:
         room = a.max_tokens - len(a.generated) - 1  # this round emits up to k + 1 tokens
         limit = min(self.eng.opt.max_context, self.eng.runner.manifest.max_context) - _pending_pos(a, st) - 1
         k = max(0, min(self.k, room, limit))
+        if a.grammar is not None:  # [grammar hook] constrained requests decode without drafts
+            return 0
         return k if k and self.proposer.can_draft(a, st) else 0
 
     def _try_reserve(self, a, n: int) -> bool:
@@ -403,7 +405,8 @@ class Speculator:
                 out.append(int(t))
                 row.append(int(t))
                 return out, i
-        bonus = self.eng.sampler.sample(logits[len(drafts): len(drafts) + 1], [row])  # appends to the history
+        last = self.eng._constrain([a], logits[len(drafts): len(drafts) + 1])  # [grammar hook] masked if constrained
+        bonus = self.eng.sampler.sample(last, [row])  # appends to the history
         out.append(int(bonus[0]))
         return out, len(drafts)
 
