@@ -31,6 +31,7 @@ from typing import Optional
 
 import numpy as np
 
+from .grammar import mask_logits
 from .kv_pages import OutOfPages
 from .model_runner import ContextLimitError, ModelRunner, SeqKV
 from .sampling import _argmax, _log_softmax_top, _needs_logit_edit, probs_after_processing, sample_from_probs
@@ -330,7 +331,7 @@ class Speculator:
         room = a.max_tokens - len(a.generated) - 1  # this round emits up to k + 1 tokens
         limit = min(self.eng.opt.max_context, self.eng.runner.manifest.max_context) - _pending_pos(a, st) - 1
         k = max(0, min(self.k, room, limit))
-        if a.grammar is not None:  # [grammar hook] constrained requests decode without drafts
+        if getattr(a, "grammar", None) is not None:  # [grammar hook] constrained requests decode without drafts
             return 0
         return k if k and self.proposer.can_draft(a, st) else 0
 
@@ -405,7 +406,9 @@ class Speculator:
                 out.append(int(t))
                 row.append(int(t))
                 return out, i
-        last = self.eng._constrain([a], logits[len(drafts): len(drafts) + 1])  # [grammar hook] masked if constrained
+        last = logits[len(drafts): len(drafts) + 1]
+        if getattr(a, "grammar", None) is not None:  # [grammar hook] constrained: mask the one token it samples
+            last = mask_logits([a.grammar], last)
         bonus = self.eng.sampler.sample(last, [row])  # appends to the history
         out.append(int(bonus[0]))
         return out, len(drafts)
