@@ -9,7 +9,8 @@ The engine calls, for each sampled step of a constrained request::
     matcher.is_terminated()     # True once the grammar is complete and a stop token was accepted
 
 (``mask_logits`` does the first two for a batch.) The bitmask is xgrammar's layout, so a device
-sampler can take the same words.
+sampler can take the same words: ``fill_bitmasks`` writes a batch's rows into one [B, ceil(V/32)]
+array (all-allowed for unconstrained rows).
 
 Specs (see ``structural_tags``) compile into xgrammar structural tags against the artifact's
 tokenizer (``tokenizers`` tokenizer.json: vocabulary + the byte-level/byte-fallback metadata
@@ -37,7 +38,7 @@ import numpy as np
 from .structural_tags import ConstraintError, spec_key, structural_tag, tool_schemas_for_errors
 
 __all__ = ["ConstraintError", "GrammarUnavailable", "ConstraintCompiler", "GrammarMatcher", "load_core",
-           "bitmask_words", "allocate_bitmask", "apply_bitmask", "mask_logits"]
+           "bitmask_words", "allocate_bitmask", "apply_bitmask", "mask_logits", "fill_bitmasks"]
 
 _core_lock = threading.Lock()
 _core: Any = None
@@ -101,6 +102,18 @@ def apply_bitmask(logits_row: np.ndarray, bitmask: np.ndarray) -> None:
                          f"got {bitmask.dtype} {bitmask.shape}")
     allowed = np.unpackbits(bitmask.view(np.uint8), count=v, bitorder="little")
     logits_row[allowed == 0] = -np.inf
+
+
+def fill_bitmasks(matchers: Sequence[Optional["GrammarMatcher"]], out: np.ndarray) -> np.ndarray:
+    """Each row's allowed tokens into ``out`` (int32 [B, W]); rows without a matcher allow every
+    token. Returns bool [B]: the rows that restrict anything (the others need no masking)."""
+    need = np.zeros(len(matchers), dtype=bool)
+    for i, m in enumerate(matchers):
+        if m is None:
+            out[i] = -1
+        else:
+            need[i] = m.fill_bitmask(out[i])
+    return need
 
 
 def mask_logits(matchers: Sequence[Optional["GrammarMatcher"]], logits: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ import pytest
 
 from ninfer_mlc.paths import default_model_dir
 from ninfer_mlc.runtime.grammar import (ConstraintCompiler, ConstraintError, allocate_bitmask, apply_bitmask,
-                                        bitmask_words, mask_logits)
+                                        bitmask_words, fill_bitmasks, mask_logits)
 from ninfer_mlc.runtime.structural_tags import structural_tag
 from ninfer_mlc.runtime.tokenizer import load_tokenizer
 from ninfer_mlc.tool_calls import parse_tool_calls
@@ -177,6 +177,21 @@ def test_special_tokens_never_allowed_and_stop_only_at_the_end(compiler, tok):
     assert m.accept(tok.token_to_id("<|im_end|>")) and m.is_terminated()
     m.rollback(1)
     assert not m.is_terminated()
+
+
+def test_batch_bitmask_for_a_device_sampler(compiler, tok):
+    m = compiler.matcher({"type": "json_object"})
+    out = np.zeros((2, bitmask_words(V)), np.int32)
+    need = fill_bitmasks([None, m], out)
+    assert need.tolist() == [False, True] and (out[0] == -1).all()
+    one = allocate_bitmask(V)
+    m.fill_bitmask(one)
+    np.testing.assert_array_equal(out[1], one)
+    logits = np.random.default_rng(0).standard_normal((2, V)).astype(np.float32)
+    masked = mask_logits([None, m], logits)
+    np.testing.assert_array_equal(masked[0], logits[0])
+    apply_bitmask(logits[1], out[1])
+    np.testing.assert_array_equal(masked[1], logits[1])
 
 
 def test_rollback_restores_the_mask(compiler, tok):

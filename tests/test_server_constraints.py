@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from ninfer_mlc.server import anthropic_api, openai_api
+from ninfer_mlc.server.constraints import openai_response_format
 from ninfer_mlc.server.errors import APIError
 
 WEATHER = {"type": "object", "properties": {
@@ -234,6 +235,12 @@ def test_openai_fields_to_specs():
     assert _oa_spec(tools=strict) == ({"type": "tool_call", "mode": "auto", "tools": strict, "parallel": True},
                                       "tools")
     assert _oa_spec(response_format={"type": "text"}) == (None, "")
+    # the Responses API's flat text.format
+    assert openai_response_format({"type": "json_schema", "name": "a", "schema": ANSWER, "strict": True},
+                                  "text.format") == {"type": "json_schema", "schema": ANSWER, "strict": True}
+    with pytest.raises(APIError) as ei:
+        openai_response_format({"type": "json_schema", "name": "a", "schema": 3}, "text.format")
+    assert ei.value.param == "text.format.schema"
 
 
 def test_anthropic_fields_to_specs():

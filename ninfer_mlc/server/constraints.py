@@ -84,30 +84,30 @@ def _openai_forced(raw: Any, tools: Optional[list[dict]], parallel: bool) -> Con
     return NO_CONSTRAINT
 
 
-def openai_response_format(raw: Any) -> Optional[dict]:
-    """``response_format`` -> a json spec (None for text)."""
+def openai_response_format(raw: Any, param: str = "response_format") -> Optional[dict]:
+    """Chat ``response_format`` (json_schema nested under ``json_schema``) or the Responses API's flat
+    ``text.format`` (pass ``param="text.format"``) -> a json spec (None for text)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise bad_request(f"response_format must be an object, got {type_name(raw)}", param="response_format")
+        raise bad_request(f"{param} must be an object, got {type_name(raw)}", param=param)
     t = raw.get("type")
     if t == "text":
         return None
     if t == "json_object":
         return {"type": "json_object"}
     if t == "json_schema":
-        js = raw.get("json_schema")
+        nested = "json_schema" in raw or "schema" not in raw
+        js, p = (raw.get("json_schema"), f"{param}.json_schema") if nested else (raw, param)
         if not isinstance(js, dict):
-            raise bad_request("response_format.json_schema must be an object", param="response_format.json_schema")
+            raise bad_request(f"{p} must be an object", param=p)
         schema = js.get("schema")
         if schema is None:
             return {"type": "json_object"}
         if not isinstance(schema, (dict, bool)):
-            raise bad_request("response_format.json_schema.schema must be a JSON schema object",
-                              param="response_format.json_schema.schema")
+            raise bad_request(f"{p}.schema must be a JSON schema object", param=f"{p}.schema")
         return {"type": "json_schema", "schema": schema, "strict": js.get("strict") is True}
-    raise bad_request(f"response_format.type must be text, json_object or json_schema, got {t!r}",
-                      param="response_format.type")
+    raise bad_request(f"{param}.type must be text, json_object or json_schema, got {t!r}", param=f"{param}.type")
 
 
 def openai_constraint(body: dict, tools: Optional[list[dict]], allow_calls: bool) -> Constraint:
