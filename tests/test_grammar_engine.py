@@ -49,10 +49,8 @@ def requests(eng):
 
 
 @pytest.fixture(scope="module")
-def base_engine():
-    eng = open_engine(ART, EngineOptions(max_concurrency=4, max_context=1024, host_kv_mib=0))
-    yield eng
-    eng.stop()
+def base_engine(server_engine):
+    return server_engine  # the session's engine on the tiny model (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
