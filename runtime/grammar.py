@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .structural_tags import ConstraintError, spec_key, structural_tag, tool_schemas_for_errors
+from .structural_tags import THINK_TAGS, ConstraintError, spec_key, structural_tag, tool_schemas_for_errors
 
 __all__ = ["ConstraintError", "GrammarUnavailable", "ConstraintCompiler", "GrammarMatcher", "load_core",
            "bitmask_words", "allocate_bitmask", "apply_bitmask", "mask_logits", "fill_bitmasks"]
@@ -155,16 +155,21 @@ class GrammarMatcher:
 
 
 # ---- compiler --------------------------------------------------------------------------------
+# markers the grammars spell out: kept as text even where a tokenizer flags them special
+_GRAMMAR_MARKERS = frozenset(THINK_TAGS) | {"<tool_call>", "</tool_call>"}
+
+
 def encoded_vocab(tokenizer, vocab_size: int) -> list[str]:
     """Token strings by id, as the tokenizer stores them (byte-level symbols etc.), padded to the
     model's vocab. Special added tokens (<|im_start|> ...) become "" so xgrammar never allows them
-    inside constrained text; stop tokens are allowed by id regardless."""
+    inside constrained text (the detokenizer would drop their text); stop tokens are allowed by id
+    regardless."""
     vocab = [""] * vocab_size
     for text, tid in tokenizer.get_vocab(with_added_tokens=True).items():
         if tid < vocab_size:
             vocab[tid] = text
     for tid, added in tokenizer.get_added_tokens_decoder().items():
-        if added.special and tid < vocab_size:
+        if added.special and tid < vocab_size and added.content not in _GRAMMAR_MARKERS:
             vocab[tid] = ""
     return vocab
 

@@ -14,7 +14,7 @@ import pytest
 
 from ninfer_mlc.paths import default_model_dir
 from ninfer_mlc.runtime.grammar import (ConstraintCompiler, ConstraintError, allocate_bitmask, apply_bitmask,
-                                        bitmask_words, fill_bitmasks, mask_logits)
+                                        bitmask_words, encoded_vocab, fill_bitmasks, mask_logits)
 from ninfer_mlc.runtime.structural_tags import structural_tag
 from ninfer_mlc.runtime.tokenizer import load_tokenizer
 from ninfer_mlc.tool_calls import parse_tool_calls
@@ -192,6 +192,18 @@ def test_batch_bitmask_for_a_device_sampler(compiler, tok):
     np.testing.assert_array_equal(masked[0], logits[0])
     apply_bitmask(logits[1], out[1])
     np.testing.assert_array_equal(masked[1], logits[1])
+
+
+def test_grammar_markers_stay_text_when_a_tokenizer_flags_them_special():
+    from tokenizers import Tokenizer
+
+    spec = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    for a in spec["added_tokens"]:
+        a["special"] = a["special"] or a["content"] in ("</think>", "<tool_call>")
+    t2 = Tokenizer.from_str(json.dumps(spec))
+    vocab = encoded_vocab(t2, V)
+    assert vocab[t2.token_to_id("</think>")] == "</think>" and vocab[t2.token_to_id("<tool_call>")] == "<tool_call>"
+    assert vocab[t2.token_to_id("<|im_start|>")] == "" and vocab[2047] == ""  # special / padding: never allowed
 
 
 def test_rollback_restores_the_mask(compiler, tok):
