@@ -275,3 +275,37 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def _schemas():
+    from hypothesis import strategies as st
+
+    leaf = st.fixed_dictionaries({}, optional={
+        "type": st.sampled_from(["string", "integer", "number", "boolean", "null", "object", "array", "strng", 3]),
+        "enum": st.lists(st.one_of(st.text(max_size=4), st.integers(), st.none()), max_size=3),
+        "minimum": st.integers(-5, 5), "maximum": st.integers(-5, 5), "maxLength": st.integers(-1, 4),
+        "pattern": st.sampled_from(["^a+$", "((", "[0-9]{2}"]), "format": st.sampled_from(["date", "email", "x"]),
+        "required": st.one_of(st.lists(st.text(max_size=3), max_size=2), st.text(max_size=2))})
+    return st.recursive(leaf, lambda kids: st.one_of(
+        st.fixed_dictionaries({"type": st.just("object"), "properties": st.dictionaries(
+            st.text(min_size=1, max_size=3), kids, max_size=3)}),
+        st.fixed_dictionaries({"type": st.just("array"), "items": kids}),
+        st.fixed_dictionaries({"anyOf": st.lists(kids, max_size=3)})), max_leaves=6)
+
+
+def test_arbitrary_schemas_compile_or_raise_constraint_errors(compiler):
+    """Whatever a client sends as a schema, compiling it either works or is a ConstraintError (a 400)."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_schemas())
+    def check(schema):
+        for spec in ({"type": "json_schema", "schema": schema},
+                     {"type": "tool_call", "mode": "required", "tools": [{"type": "function", "function": {
+                         "name": "f", "parameters": schema}}]}):
+            try:
+                compiler.matcher(spec)
+            except ConstraintError:
+                pass
+
+    check()
