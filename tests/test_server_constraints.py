@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from ninfer_mlc.server import anthropic_api, openai_api
-from ninfer_mlc.server.constraints import openai_response_format
+from ninfer_mlc.server.constraints import openai_constraint, openai_response_format
 from ninfer_mlc.server.errors import APIError
 
 WEATHER = {"type": "object", "properties": {
@@ -235,7 +235,15 @@ def test_openai_fields_to_specs():
     assert _oa_spec(tools=strict) == ({"type": "tool_call", "mode": "auto", "tools": strict, "parallel": True},
                                       "tools")
     assert _oa_spec(response_format={"type": "text"}) == (None, "")
-    # the Responses API's flat text.format
+    # the Responses API: flat function tools, flat named tool_choice, text.format
+    flat = [{"type": "function", "name": "ping", "parameters": PING, "strict": True}]
+    assert openai_constraint({"tool_choice": {"type": "function", "name": "ping"}}, flat, True,
+                             "text.format")[0]["mode"] == "named"
+    assert openai_constraint({"text": {"format": {"type": "json_schema", "name": "a", "schema": ANSWER}}}, flat, True,
+                             "text.format") == ({"type": "json_schema", "schema": ANSWER, "strict": False,
+                                                 "tools": flat, "parallel": True}, "text.format")
+    assert openai_constraint({}, flat, True, "text.format") == (
+        {"type": "tool_call", "mode": "auto", "tools": flat, "parallel": True}, "tools")
     assert openai_response_format({"type": "json_schema", "name": "a", "schema": ANSWER, "strict": True},
                                   "text.format") == {"type": "json_schema", "schema": ANSWER, "strict": True}
     with pytest.raises(APIError) as ei:

@@ -110,15 +110,20 @@ def openai_response_format(raw: Any, param: str = "response_format") -> Optional
     raise bad_request(f"{param}.type must be text, json_object or json_schema, got {t!r}", param=f"{param}.type")
 
 
-def openai_constraint(body: dict, tools: Optional[list[dict]], allow_calls: bool) -> Constraint:
-    """Chat completions: tool_choice, parallel_tool_calls, response_format, strict tools."""
+def openai_constraint(body: dict, tools: Optional[list[dict]], allow_calls: bool,
+                      fmt_param: str = "response_format") -> Constraint:
+    """Chat completions: tool_choice, parallel_tool_calls, response_format, strict tools. The
+    Responses API passes ``fmt_param="text.format"`` (read from ``body["text"]["format"]``)."""
     parallel = _bool(body, "parallel_tool_calls", True)
     offered = tools if allow_calls else None
     forced = _openai_forced(body.get("tool_choice"), offered, parallel)
     if forced[0] is not None:
         return forced
-    fmt = openai_response_format(body.get("response_format"))
-    return _answer_constraint(fmt, "response_format", offered, parallel)
+    raw = body.get("response_format")
+    if fmt_param == "text.format":
+        raw = body["text"].get("format") if isinstance(body.get("text"), dict) else None
+    fmt = openai_response_format(raw, fmt_param)
+    return _answer_constraint(fmt, fmt_param, offered, parallel)
 
 
 def _answer_constraint(fmt: Optional[dict], fmt_param: str, offered: Optional[list[dict]],
