@@ -22,8 +22,9 @@ import numpy as np
 
 from ..contract.generation import GenerationDefaults
 from .config import EngineConfig
-from .errors import ContextTooLong, EngineStopped, InvalidRequest, QueueFull
+from .errors import BadConstraint, ContextTooLong, EngineStopped, InvalidRequest, QueueFull
 from .executor.model_runner import ModelRunner
+from .grammar import ConstraintCompiler, ConstraintError, mask_logits
 from .kv.manager import KVManager
 from .sampling import Sampler
 from .scheduler.request import Delta, Finished, GenRequest, Request
@@ -115,6 +116,8 @@ class Engine:
         self.counters = Counters()
         self.spec_counters = SpecCounters()
         self.model_info = model_info or ModelInfo()
+        # constrained decoding: specs -> xgrammar matchers over the sampled vocabulary (loaded on first use)
+        self.constraints = ConstraintCompiler(tokenizer, runner.sample_vocab, sorted(self.eos_ids))
         self.spec = None
         if cfg.spec != "none":
             from .spec.decoder import SpeculativeDecoder, make_proposer
@@ -182,6 +185,11 @@ class Engine:
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         r = Request(rid, req, handle, max_tokens, stop_ids, self.tok)
+        if req.constraint is not None:  # compiled (and cached) by the server before it submits
+            try:
+                r.grammar = self.constraints.matcher(req.constraint, reasoning=req.started_in_think)
+            except ConstraintError as e:
+                raise BadConstraint(str(e)) from None
         with self._wake:
             if self._queued >= self.cfg.max_pending_requests and self._live >= self.cfg.max_concurrency:
                 self.counters.requests_rejected_queue_full += 1
@@ -278,6 +286,7 @@ class Engine:
         return results
 
     def _sample(self, reqs: list[Request], logits: np.ndarray, fed: int = 0) -> dict[int, RowResult]:
+        logits = mask_logits([r.grammar for r in reqs], logits)  # -inf where a grammar forbids the next token
         want_lp = any(r.params.logprobs or r.params.top_logprobs > 0 for r in reqs)
         res = self.sampler.sample(logits, [r.row for r in reqs], return_logprobs=want_lp)
         toks, lps = res if want_lp else (res, [None] * len(reqs))

@@ -11,6 +11,10 @@ class InvalidRequest(EngineError):
     """The request itself cannot be served (empty prompt, a token id outside the vocabulary)."""
 
 
+class BadConstraint(InvalidRequest):
+    """A constrained-decoding spec (GenRequest.constraint) that cannot be compiled."""
+
+
 class ContextTooLong(EngineError):
     """The prompt (plus at least one generated token) does not fit the context or the KV pool."""
 

@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q -e .
+./scripts/install-xgrammar.sh .venv
 exec .venv/bin/ninfer serve "$@"

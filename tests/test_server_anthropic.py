@@ -106,9 +106,9 @@ def test_errors_and_server_keeps_serving(client):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=4, messages=MSGS, thinking={"type": "enabled",
                                                                                  "budget_tokens": 5})
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError):  # forcing a tool the request does not offer
         client.messages.create(model="m", max_tokens=4, messages=MSGS, tools=TOOLS,
-                               tool_choice={"type": "tool", "name": "get_weather"})
+                               tool_choice={"type": "tool", "name": "get_time"})
     assert client.messages.create(model="m", max_tokens=2, messages=MSGS).type == "message"
 
 

@@ -297,11 +297,14 @@ def test_anthropic_request_conversion():
 @pytest.mark.parametrize("patch,param", [
     ({"max_tokens": None}, "max_tokens"),
     ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
-    ({"tool_choice": {"type": "any"}}, "tool_choice.type"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice.type"),  # forcing a tool needs tools
+    ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}},
+     "tool_choice.name"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": "x"}}}, "output_config.format.schema"),
     ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "full"}}, "thinking.display"),
 ])
 def test_anthropic_request_errors_name_the_field(patch, param):
@@ -312,13 +315,19 @@ def test_anthropic_request_errors_name_the_field(patch, param):
 
 
 @pytest.mark.parametrize("patch,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools to force
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": {"type": "mystery"}}, "tool_choice"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": []}}}, "response_format.json_schema.schema"),
     ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"stream": "yes"}, "stream"),
 ])

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..tool_calls import anthropic_tool_id
 from . import generation as gen
+from .constraints import anthropic_constraint, anthropic_output_format
 from .errors import APIError, bad_request
 from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
@@ -193,6 +194,8 @@ def parse_tools(raw: Any) -> Optional[list[dict]]:
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
         fn["parameters"] = schema
+        if t.get("strict") is True:
+            fn["strict"] = True  # constrained arguments (server/constraints.py)
         out.append({"type": "function", "function": fn})
     return out or None
 
@@ -208,8 +211,7 @@ def parse_tool_choice(raw: Any) -> bool:
     if t == "none":
         return False
     if t in ("any", "tool"):
-        raise bad_request(f"tool_choice type {t!r} (forced tool use) is not supported; use 'auto' or 'none'",
-                          param="tool_choice.type")
+        return True  # forced: server/constraints.py builds the constraint
     raise bad_request(f"unknown tool_choice type {t!r}", param="tool_choice.type")
 
 
@@ -248,8 +250,7 @@ def parse_output_config(raw: Any) -> Optional[str]:
         return None
     if not isinstance(raw, dict):
         raise bad_request("output_config must be an object", param="output_config")
-    if raw.get("format") is not None:
-        raise bad_request("output_config.format (structured output) is not supported", param="output_config.format")
+    anthropic_output_format(raw.get("format"))  # validated here, constrained by anthropic_constraint
     effort = raw.get("effort")
     if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
         raise bad_request(f"output_config.effort must be low, medium, high, xhigh or max, got {effort!r}",
@@ -268,6 +269,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     messages = parse_messages(body.get("messages"), system)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
+    constraint, constraint_param = anthropic_constraint(body, tools, allow_calls)
     thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"))
     effort = parse_output_config(body.get("output_config"))
     layer: dict = {}
@@ -289,7 +291,8 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     inp = ChatInputs(messages=messages, tools=tools if allow_calls else None,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
                      sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
-                     template_kwargs={"reasoning_effort": effort} if effort else {})
+                     template_kwargs={"reasoning_effort": effort} if effort else {},
+                     constraint=None if for_count else constraint, constraint_param=constraint_param)
     return inp, model or "", stream, omit_thinking
 
 

@@ -314,6 +314,8 @@ def run_server(args) -> int:
     py_level = {"trace": logging.DEBUG, "critical": logging.CRITICAL}.get(level) or getattr(logging, level.upper())
     logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = load_state(args)
+    if hasattr(state.engine, "constraints"):  # index the vocabulary for constrained decoding now
+        state.engine.constraints.warm_in_background()
     app = create_app(state)
     main = _NoSignalServer.make_main(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                                     timeout_graceful_shutdown=5))

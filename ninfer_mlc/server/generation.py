@@ -19,6 +19,7 @@ from ..chat_template import ChatTemplateError
 from ..reasoning import ReasoningStreamSplitter
 from ..runtime.engine import Delta, Finished, GenRequest, RequestHandle
 from ..runtime.errors import EngineError
+from ..runtime.grammar import ConstraintError, GrammarUnavailable
 from ..runtime.sampling import SamplingError, SamplingParams, resolve_sampling_params
 from ..tool_calls import ToolCall, ToolCallStreamDecoder
 from .errors import APIError, bad_request, from_engine, from_sampling
@@ -44,6 +45,8 @@ class ChatInputs:
     param_names: dict = field(default_factory=dict)  # SamplingParams field -> request spelling
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
+    constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
+    constraint_param: str = ""  # the request field the constraint came from (named by a 400)
 
 
 @dataclass
@@ -56,11 +59,12 @@ class Prepared:
     tools: Optional[list[dict]]  # for the tool-call parser; None = no parsing
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # enforced by the engine while the reply is reasoning
+    constraint: Optional[dict] = None  # compiled (and cached) by prepare_chat
 
     def request_fields(self) -> dict:
-        """Engine-side extras: KV identity of the template mode, the reasoning budget."""
+        """Engine-side extras: KV identity of the template mode, the reasoning budget, the constraint."""
         return {"cache_mode": "think" if self.thinking else "nothink", "thinking_budget": self.thinking_budget,
-                "started_in_think": self.started_in_think}
+                "started_in_think": self.started_in_think, "constraint": self.constraint}
 
 
 def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
@@ -100,14 +104,30 @@ def resolve_params(state, layer: dict, names: dict, thinking: bool) -> SamplingP
         raise bad_request(f"invalid sampling parameters: {e}") from None
 
 
+def compile_constraint(state, inp: ChatInputs, reasoning: bool) -> None:
+    """Compile the request's constraint now, off the event loop (the engine then finds it cached);
+    a schema xgrammar cannot honour is a 400 naming the request field (or the tool) it came from."""
+    try:
+        state.engine.constraints.compile(inp.constraint, reasoning=reasoning)
+    except ConstraintError as e:
+        names = [((t.get("function") or t).get("name")) for t in inp.tools or []]
+        param = f"tools[{names.index(e.tool)}]" if e.tool in names else inp.constraint_param
+        raise bad_request(f"{param}: {e}", param=param) from None
+    except GrammarUnavailable as e:
+        raise bad_request(f"{inp.constraint_param}: {e}", param=inp.constraint_param) from None
+
+
 def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
     text, thinking = render_prompt(state, inp)
     params = resolve_params(state, inp.sampling, inp.param_names, thinking)
     ids = encode(state, text)
     tools = inp.tools if (inp.tools and inp.parse_tools) else None
     budget = inp.thinking_budget if inp.thinking_budget is not None else state.config.default_thinking_budget
-    return Prepared(text, ids, params, thinking, prompt_opens_think(text), tools, inp.session_key,
-                    budget if thinking else None)
+    opens_think = prompt_opens_think(text)
+    if inp.constraint is not None:
+        compile_constraint(state, inp, opens_think)
+    return Prepared(text, ids, params, thinking, opens_think, tools, inp.session_key,
+                    budget if thinking else None, inp.constraint)
 
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from . import generation as gen
+from .constraints import openai_constraint
 from .errors import APIError, bad_request
 from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, request_id, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
@@ -172,31 +173,25 @@ def parse_tools(raw: Any) -> Optional[list[dict]]:
         if params is not None and not isinstance(params, dict):
             raise bad_request(f"{p}.function.parameters must be a JSON schema object",
                               param=f"{p}.function.parameters")
-        if fn.get("strict") is True or t.get("strict") is True:
-            raise bad_request(f"{p}: strict function calling (constrained decoding) is not supported",
-                              param=f"{p}.function.strict")
     return raw or None
 
 
 def parse_tool_choice(raw: Any) -> bool:
-    """-> whether tool calls are allowed (auto) or not (none)."""
-    if raw is None or raw == "auto":
+    """-> whether tool calls are allowed (auto, required, a named function) or not (none); what a
+    forcing choice constrains is read by server/constraints.py."""
+    if raw is None or raw in ("auto", "required"):
         return True
     if raw == "none":
         return False
-    if raw == "required":
-        raise bad_request("tool_choice 'required' is not supported; use 'auto' or 'none'", param="tool_choice")
     if isinstance(raw, dict):
         t = raw.get("type")
-        if t == "auto":
+        if t in ("auto", "function", "allowed_tools"):
             return True
         if t == "none":
             return False
-        if t == "allowed_tools" and isinstance(raw.get("allowed_tools"), dict) \
-                and raw["allowed_tools"].get("mode", "auto") == "auto":
-            return True
-        raise bad_request("named or forced tool_choice is not supported; use 'auto' or 'none'", param="tool_choice")
-    raise bad_request(f"tool_choice must be 'auto' or 'none', got {raw!r}", param="tool_choice")
+        raise bad_request(f"unknown tool_choice type {t!r}", param="tool_choice")
+    raise bad_request(f"tool_choice must be 'auto', 'none', 'required' or a function, got {raw!r}",
+                      param="tool_choice")
 
 
 def _sampling_layer(body: dict) -> tuple[dict, dict]:
@@ -210,15 +205,6 @@ def _sampling_layer(body: dict) -> tuple[dict, dict]:
     return layer, names
 
 
-def _check_response_format(body: dict) -> None:
-    rf = body.get("response_format")
-    if rf is None:
-        return
-    if not isinstance(rf, dict) or rf.get("type") != "text":
-        raise bad_request("response_format other than {'type': 'text'} (structured output) is not supported",
-                          param="response_format")
-
-
 def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     """-> (inputs, stream, include_usage)."""
     messages = parse_messages(body.get("messages"))
@@ -227,7 +213,7 @@ def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     stream = bool(get_bool(body, "stream", False))
     so = get_dict(body, "stream_options") or {}
     include_usage = bool(get_bool(so, "include_usage", False, param="stream_options.include_usage"))
-    _check_response_format(body)
+    constraint, constraint_param = openai_constraint(body, tools, allow_calls)
     kwargs = dict(get_dict(body, "chat_template_kwargs") or {})
     enable_thinking = kwargs.pop("enable_thinking", None)
     preserve_thinking = kwargs.pop("preserve_thinking", None)
@@ -251,7 +237,8 @@ def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     session = get_str(body, "user") or get_str(body, "prompt_cache_key")
     inp = ChatInputs(messages=messages, tools=tools, parse_tools=allow_calls and tools is not None,
                      enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, template_kwargs=kwargs,
-                     sampling=layer, param_names=names, session_key=session)
+                     sampling=layer, param_names=names, session_key=session, constraint=constraint,
+                     constraint_param=constraint_param)
     if not allow_calls:
         inp.tools = None  # tool_choice "none": do not offer the tools at all
     return inp, stream, include_usage

@@ -23,7 +23,7 @@ class GenRequest:
     thinking_budget: Optional[int] = None  # reasoning tokens before the engine closes </think> itself
     started_in_think: bool = False  # the prompt's generation prompt opened <think>
     cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
-    turn_boundaries: tuple = ()  # prompt positions worth a checkpoint (turn openers), ascending
+    constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -83,6 +83,7 @@ class Request:
         self.forced: list[int] = []
         # prompt positions where prefill stops to checkpoint (set on first admission)
         self.checkpoints: list[int] = []
+        self.grammar: Any = None  # runtime.grammar.GrammarMatcher of a constrained request
         # speculative decoding
         self.draft_n = 0
         self.draft_accepted = 0

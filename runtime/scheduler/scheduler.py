@@ -263,7 +263,9 @@ class Scheduler:
         r.draft_accepted += min(res.accepted, max(0, committed - 1))
         if self.spec is not None:
             self.spec.settle(r, committed)
-        if end is not None:
+        if end is not None and end[0] == "error":
+            self.finish(r, "error", error=f"token {res.tokens[committed - 1]} violates the response constraint")
+        elif end is not None:
             self.finish(r, end[0], stop_matched=end[1])
 
     def _commit(self, r: Request, tokens: list[int], logprobs: list, now: float):
@@ -307,9 +309,11 @@ class Scheduler:
         (reason, matched stop string) when the request ends, else None (t is then pending)."""
         if not r.t_first:
             r.t_first = now
+        if r.grammar is not None and not r.grammar.accept(t):  # a forced token left the grammar
+            return "error", None
         r.generated.append(t)
         self.counters.committed_decode_tokens += 1
-        if t in r.stop_ids:
+        if t in r.stop_ids or (r.grammar is not None and r.grammar.is_terminated()):
             emit, stopped, _ = r.stops.feed(r.detok.flush())
             emit += "" if stopped else r.stops.flush()
             if emit or r.unsent_ids:
