@@ -225,6 +225,22 @@ def run_scenarios(runner, ids) -> dict:
         runner.free_seq(s)
     for i in range(3):
         out[f"batched_{i}"] = np.stack(tog[i])
+    if runner.has_verify:  # speculative rounds: 3 verifies (and MTP steps) of one shape: eager, capture, replay
+        seq = runner.new_seq()
+        _, (h,) = runner.prefill_h([(seq, ids[:PROMPT])])
+        rows, hid = [], []
+        for j in range(3):
+            (lg,), (hv,) = runner.verify([(seq, ids[PROMPT + 4 * j: PROMPT + 4 * j + 4])])
+            rows.append(lg)
+            hid.append(hv)
+        out["verify"] = np.concatenate(rows)
+        if runner.has_mtp:
+            mtp, hm = [], hid[-1][-1:]
+            for j in range(3):
+                lg, hm = runner.mtp_step([seq], hm, [ids[j]], [seq.length - 1])
+                mtp.append(lg[0])
+            out["mtp_step"] = np.stack(mtp)
+        runner.free_seq(seq)
     return out
 
 
@@ -409,6 +425,10 @@ def cmd_check(a):
         for k in ("prefill_all", "decode"):
             e[f"{k}_top1_agree_llvm"] = float(np.mean(got[k].argmax(-1) == ref[f"llvm_{quant}/{k}"].argmax(-1)))
         graphs_ok = e["graphs_vs_eager_maxabs"] == 0.0 and bool(graph_stats and graph_stats["replays"] > 0)
+        for name, g in (("verify", r.verify_graphs), ("mtp_step", r.mtp_graphs)):
+            if g is not None:  # the speculative functions replayed too
+                graph_stats[f"{name}_replays"] = g.stats["replays"]
+                graphs_ok &= g.stats["replays"] > 0
         if quant == "f32":
             passed = graphs_ok and all(v < 1e-3 for k, v in e.items() if "top1" not in k)
         else:

@@ -59,6 +59,9 @@ class ModelRunner:
         self.kv_pool = self.conv_pool = self.ssm_pool = self.mtp_kv_pool = None
         self.inputs: Optional[StepInputs] = None
         self.decode_graphs: Optional[GraphedFunction] = None
+        self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
+        self.mtp_graphs: Optional[GraphedFunction] = None
+        self._graph_generation = 0
         self.num_pages = self.num_slots = 0
 
     # ---- setup ---------------------------------------------------------------------------
@@ -119,6 +122,11 @@ class ModelRunner:
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
+            if self.has_verify:
+                self.verify_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify"])
+            if self.has_mtp:
+                self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+        self._graph_generation = self.inputs.generation
 
     @property
     def kv_shape(self) -> tuple:
@@ -248,11 +256,29 @@ class ModelRunner:
         logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return list(logits), [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))]
 
+    def _ragged_graphs(self) -> None:
+        """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
+        if self.inputs.generation != self._graph_generation:
+            for g in (self.verify_graphs, self.mtp_graphs):
+                if g is not None:
+                    g.reset()
+            self._graph_generation = self.inputs.generation
+
     def verify(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """One batched multi-token target forward: ([len, V] logits, [len, D] hidden) per sequence.
-        KV is written and the GDN state advanced like a prefill; the caller rolls back rejections."""
-        args, cu, _ = self._ragged(batch)
-        out = self.vm["verify"](*args, *self._pools())
+        KV is written and the GDN state advanced like a prefill; the caller rolls back rejections.
+        On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats."""
+        seqs = [s for s, _ in batch]
+        chunks = [t for _, t in batch]
+        self._check_room(seqs, [len(t) for t in chunks])
+        self._check_tokens(chunks)
+        graphs = self.verify_graphs
+        args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        if graphs is not None:
+            self._ragged_graphs()
+            out = graphs(args, self._pools())
+        else:
+            out = self.vm["verify"](*args, *self._pools())
         logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return ([logits[cu[i]:cu[i + 1]] for i in range(len(batch))],
                 [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))])
@@ -279,7 +305,7 @@ class ModelRunner:
         last = (np.cumsum(lens) - 1).astype(np.int32)
         args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
                                                 starts=[p for _, _, _, p in items])
-        ragged = [self.inputs.tensor(hidden, "float32")] + args[:3] + [args[4]]  # no cu_seqlens / slots
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]  # no cu_seqlens / slots
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
@@ -291,11 +317,17 @@ class ModelRunner:
         """One MTP row per sequence (a chained draft step): (logits [b, V or len(shortlist)], hidden [b, D])."""
         self._check_mtp(seqs, list(positions))
         self._check_tokens([tokens])
-        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions))
-        ragged = [self.inputs.tensor(np.ascontiguousarray(hidden, np.float32), "float32")] + args[:3] + [args[4]]
+        graphs = self.mtp_graphs if shortlist is None else None
+        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions),
+                                        width_of=page_width_bucket if graphs is not None else None)
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
         else:
-            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+            if graphs is not None:
+                self._ragged_graphs()
+                out = graphs(ragged, [self.mtp_kv_pool, self.params])
+            else:
+                out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
