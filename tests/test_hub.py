@@ -276,3 +276,25 @@ def test_online_fetch_downloads_only_what_a_compile_reads(hf_cache, monkeypatch,
                                     "chat_template.jinja", "additional_chat_templates/tool_use.jinja"] + shards)
     assert [p.name for p in weight_files(snap.path)] == ["model-00001-of-00002.safetensors",
                                                          "model-00002-of-00002.safetensors"]
+
+
+@pytest.mark.parametrize("cc,target,quant", [(None, "llvm", "f32"), ("9.0", "cuda:sm_90", "nvfp4"),
+                                             ("12.0", "cuda:sm_120", "nvfp4"), ("8.6", None, None)])
+def test_auto_target_and_quant(cc, target, quant, monkeypatch):
+    """--target auto / --quant auto (the serve/generate/bench defaults) for this machine's GPU, faked here."""
+    import types
+
+    import tvm
+
+    from ninfer_mlc.compile.targets import TargetError
+
+    fake = types.SimpleNamespace(exist=cc is not None, compute_version=cc)
+    monkeypatch.setattr(tvm.runtime, "device", lambda kind, index=0: fake)
+    auto = CompileOptions(target="auto", quant="auto", kv_dtype="fp8")
+    if target is None:
+        with pytest.raises(TargetError, match=r"compute capability 8\.6.*--target llvm"):
+            auto.resolved()
+        return
+    got = auto.resolved()
+    assert (got.target, got.quant, got.kv_dtype) == (target, quant, "fp8")
+    assert CompileOptions(target="auto", quant="bf16").resolved().quant == "bf16"  # explicit choices stay
