@@ -17,6 +17,7 @@ from ..contract.manifest import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .model import PAGE_SIZE, Qwen3xForCausalLM
+from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
 from .targets import TargetSpec, cuda_build_env, parse_target
 
@@ -27,8 +28,9 @@ QUANT_MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "nvfp4": (N
 # (layouts in compile/kernels/attention_quant.py). Default: the model dtype.
 KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 SHARD_BYTES = 1 << 30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json", "config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json", "special_tokens_map.json", "config.json")
+EXTRA_TEMPLATES = "additional_chat_templates"  # named chat templates (*.jinja) beside the default one
 
 
 def _np_dtype(dtype: str):
@@ -135,7 +137,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     return specs
 
 
-def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
+def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progress = SILENT) -> list[str]:
     shards, cur, size = [], {}, 0
     for name, arr in params.items():
         if cur and size + arr.nbytes > SHARD_BYTES:
@@ -147,7 +149,7 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
         shards.append(cur)
     names = []
     (out_dir / "params").mkdir(parents=True, exist_ok=True)
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(progress.iterate(shards, "write weights", unit="shard")):
         rel = f"params/params_{i:05d}.safetensors"
         safetensors_io.save(out_dir / rel, shard)
         names.append(rel)
@@ -157,12 +159,13 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, log=print) -> Path:
+                  random_weights: int | None = None, log=print, progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
-    unless asked (--allow-random-weights)."""
+    unless asked (--allow-random-weights).
+    progress: bars for the library build, the weight conversion and the shard writes."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     tspec = parse_target(target)
@@ -197,18 +200,25 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
                           "raise --rope-scaling-factor")
     name = name or f"{model_dir.name}-{quant}-{tspec.name}" + ("-random" if random_weights is not None else "")
     out = Path(out_dir or Path("dist") / name)
-    if random_weights is None and not list(model_dir.glob("*.safetensors")):
-        raise ConfigError(f"{model_dir} has no *.safetensors weights (--random-weights builds a benchmark "
-                          "artifact from config.json alone)")
+    weight_files: list = []
+    if random_weights is None:
+        try:
+            weight_files = safetensors_io.weight_files(model_dir)
+        except safetensors_io.SafetensorsError as e:
+            raise ConfigError(str(e)) from None
+        if not weight_files:
+            raise ConfigError(f"{model_dir} has no *.safetensors weights (--random-weights builds a benchmark "
+                              "artifact from config.json alone)")
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
     lib_rel = f"{name}.so"
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
     mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(
-        n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0]))
-    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                          fp4_mma=use_fp4_mma)
+        n for f in weight_files for n in safetensors_io.read_header(f)[0]))
+    with progress.step(f"build {tspec.name} library"):
+        specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
+                              fp4_mma=use_fp4_mma)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -216,15 +226,19 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
         params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
                               cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
-                              np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))))
+                              np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))),
+                              track=progress.iterate)
     else:  # only the exact tables; the runtime draws the rest
         params = {"rope_inv_freq": np.asarray(inv_freq, np.float32), "rope_attn_factor": np.array([factor], np.float32)}
-    shards = write_weights(params, out)
+    shards = write_weights(params, out, progress)
     log(f"wrote {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s"
         + (f" (random weights, seed {random_weights}: drawn at load time)" if random_weights is not None else ""))
     for f in TOKENIZER_FILES:
         if (model_dir / f).is_file():
             shutil.copy2(model_dir / f, out / f)
+    for f in sorted((model_dir / EXTRA_TEMPLATES).glob("*.jinja")):
+        (out / EXTRA_TEMPLATES).mkdir(exist_ok=True)
+        shutil.copy2(f, out / EXTRA_TEMPLATES / f.name)
 
     import tvm
 

@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
-# Install the project with its test extra into .venv and run the test suite.
+# Install the project with its test extra into .venv (once; again when pyproject.toml changes) and run the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e '.[test]'
-./scripts/install-xgrammar.sh .venv
+./scripts/ensure_venv.sh test
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium unavailable: monitor browser test will skip"
 fi

@@ -187,17 +187,23 @@ def check_serve_options(opts: ServeOptions, max_context: int) -> None:
             raise CLIError(f"--request-log-jsonl: cannot write {opts.request_log_jsonl}: {e}") from None
 
 
-def engine_config(args, manifest) -> EngineConfig:
-    """EngineConfig from the flags, checked against the artifact (errors name the flag)."""
+def checked_engine_flags(args) -> EngineConfig:
+    """EngineConfig from the flags, validated on its own (errors name the flag)."""
     cfg = from_args(EngineConfig, args)
-    native = int(manifest.max_context)
-    if cfg.max_context is not None and cfg.max_context > native:
-        raise CLIError(f"--max-context {cfg.max_context} exceeds the {native} tokens this artifact was compiled for "
-                       f"(recompile with `ninfer compile --max-context`)")
     try:
         cfg.validate()
     except ConfigError as e:
         raise CLIError(f"{flag_for(e.field)}: {e.message}") from None
+    return cfg
+
+
+def engine_config(args, manifest) -> EngineConfig:
+    """EngineConfig from the flags, checked against the artifact (errors name the flag)."""
+    cfg = checked_engine_flags(args)
+    native = int(manifest.max_context)
+    if cfg.max_context is not None and cfg.max_context > native:
+        raise CLIError(f"--max-context {cfg.max_context} exceeds the {native} tokens this artifact was compiled for "
+                       f"(recompile with `ninfer compile --max-context`)")
     max_context = cfg.max_context or native
     if cfg.kv_capacity not in (None, "auto") and int(cfg.kv_capacity) < max_context:
         raise CLIError(f"--kv-capacity {cfg.kv_capacity} is smaller than --max-context {max_context}")
@@ -297,12 +303,13 @@ class _NoSignalServer:
         return Main(config)
 
 
-async def serve_all(main, extra: list) -> None:
-    tasks = [asyncio.create_task(s.serve()) for s in extra]
+async def serve_all(main: tuple, extra: list) -> None:
+    """main and extra: (uvicorn server, its bound sockets)."""
+    tasks = [asyncio.create_task(s.serve(sockets=socks)) for s, socks in extra]
     try:
-        await main.serve()
+        await main[0].serve(sockets=main[1])
     finally:
-        for s in extra:
+        for s, _ in extra:
             s.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -313,24 +320,38 @@ def run_server(args) -> int:
     level = _UVICORN_LEVELS.get(args.log_level, "info")
     py_level = {"trace": logging.DEBUG, "critical": logging.CRITICAL}.get(level) or getattr(logging, level.upper())
     logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = load_state(args)
-    if hasattr(state.engine, "constraints"):  # index the vocabulary for constrained decoding now
-        state.engine.constraints.warm_in_background()
+    # ports, then flags, then MODEL -> artifact, all before the model loads
+    from ..cli_support import resolve_model
+    from ..paths import default_model_dir
+    from .listen import bind_listeners, bound_port
+
+    listeners = bind_listeners(args.host, args.port, args.stats_port)
+    try:
+        sampling_overrides(from_args(SamplingFlags, args))
+        checked_engine_flags(args)
+        args.model = str(resolve_model(args, default_model_dir()))
+        state = load_state(args)
+    except BaseException:
+        listeners.close()
+        raise
+    state.engine.constraints.warm_in_background()  # index the vocabulary for constrained decoding now
     app = create_app(state)
     main = _NoSignalServer.make_main(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                                     timeout_graceful_shutdown=5))
     extra = []
-    if args.stats_port:
-        extra.append(_NoSignalServer.make(uvicorn.Config(create_stats_app(state), host=args.host,
-                                                         port=args.stats_port, log_level="warning")))
+    if listeners.stats is not None:
+        extra.append((_NoSignalServer.make(uvicorn.Config(create_stats_app(state), host=args.host,
+                                                          port=args.stats_port, log_level="warning")),
+                      [listeners.stats]))
     c = state.config
     random = " [RANDOM WEIGHTS: benchmark artifact, answers are noise]" if state.engine.model_info.random_weights else ""
-    print(f"ninfer: serving {c.model_id} on http://{args.host}:{args.port} (max context {c.max_context}, "
-          f"concurrency {state.engine.cfg.max_concurrency}){random}", flush=True)
+    print(f"ninfer: serving {c.model_id} on http://{args.host}:{bound_port(listeners.main)} (max context "
+          f"{c.max_context}, concurrency {state.engine.cfg.max_concurrency}){random}", flush=True)
     try:
-        asyncio.run(serve_all(main, extra))
+        asyncio.run(serve_all((main, [listeners.main]), extra))
     finally:
         state.engine.stop()
+        listeners.close()
     return 0
 
 
