@@ -198,3 +198,25 @@ def test_thinking_budget_closes_reasoning_with_the_early_close_text(spec):
             assert eng.stats().spec.rounds > 0 and eng.stats().spec.draft_tokens > 0
     finally:
         eng.stop()
+
+
+def test_no_preemption_thrash_when_running_sequences_outgrow_the_pool():
+    """Two sequences that together need more KV than the pool: one is preempted (its state goes to the
+    host tier) and waits until the other finishes, instead of being readmitted at once, preempting the
+    other and being recomputed over and over (it did: 30 preemptions for 2 requests)."""
+    ps = prompts(2, seed=21, lo=300, hi=301)
+    ref = engine(max_concurrency=1, prefix_reuse=False, kv_tokens=4096)
+    try:
+        want = [o for o, _ in run_all(ref, ps, max_tokens=200)]
+    finally:
+        ref.stop()
+    eng = engine(max_concurrency=2, prefill_chunk=128, kv_tokens=14 * 64, host_kv_mib=32, host_ram_reserve_mib=0)
+    try:
+        outs = run_all(eng, ps, max_tokens=200)
+        assert [o for o, _ in outs] == want
+        c = eng.stats().counters
+        assert 1 <= c.preemptions <= 2, c
+        assert c.computed_prefill_tokens <= 2 * 300 + 64, c  # the preempted one restored, not recomputed
+        assert eng.audit() == []
+    finally:
+        eng.stop()

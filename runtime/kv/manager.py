@@ -215,6 +215,16 @@ class KVManager:
     def _copy_state(self, src: int, dst: int) -> None:
         self.host.copy_state_d2d(src, dst) if self.host else self.runner.copy_state(src, dst)
 
+    def reclaimable_pages(self) -> int:
+        """Pages a new sequence could get without preempting a live one: free pages plus the pages only
+        unclaimed device cache entries hold (demoting or evicting those frees them)."""
+        n = self.pages.free_pages
+        if self.cache is not None:
+            for e in self.cache.device_entries():
+                if not e.claimed:
+                    n += sum(1 for p in e.pages if self.pages.refcount(p) == 1)
+        return n
+
     def ensure(self, seq: SeqKV, new_tokens: int) -> bool:
         """Pages for seq.length + new_tokens (freeing cached owners if needed); False, with nothing
         changed, when the device cannot hold them without preempting a live sequence."""

@@ -174,6 +174,8 @@ class Scheduler:
                 r.sink.admit(ContextTooLong(len(r.req.prompt_ids), self.kv.capacity_tokens - 1, "KV pool size"))
                 continue
             history = r.fed_tokens()
+            if self.running and self.kv.pages_for(len(history) + 1) > self.kv.reclaimable_pages():
+                return  # admitting it now would only preempt a running request (and be preempted back)
             resumed = r.pending_token is not None
             seq = self.kv.admit(history, r.identity, r.req.session_key,
                                 max_reuse=len(history) if resumed else len(history) - 1)
