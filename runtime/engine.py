@@ -48,6 +48,10 @@ class EngineStopped(EngineError):
     status, code = 503, "engine_stopped"
 
 
+class ImagesUnsupported(EngineError):
+    status, code = 400, "images_unsupported"
+
+
 @dataclass
 class EngineOptions:
     max_concurrency: int = 4
@@ -144,6 +148,8 @@ class GenRequest:
     thinking_budget: Optional[int] = None  # reasoning tokens before the engine closes </think> itself
     started_in_think: bool = False  # the prompt's generation prompt opened <think>
     cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
+    # [vision hook] runtime/media.py MediaInput: image embeddings / pixels, M-RoPE positions, cache key ids
+    media: Optional[object] = None
 
 
 class RequestHandle:
@@ -240,6 +246,15 @@ class _Active:
         unfed = 1 if self.pending_token is not None else 0
         return list(self.req.prompt_ids) + self.generated[: len(self.generated) - unfed]
 
+    def cache_keys(self, tokens: list[int]) -> list[int]:
+        """[vision hook] The prefix-cache identity of tokens (a prefix of prompt + generated): image
+        placeholders become ids derived from their image's digest (runtime/mrope.py cache_key_ids)."""
+        media = self.req.media
+        if media is None:
+            return tokens
+        n = len(self.req.prompt_ids)
+        return list(media.key_ids[: min(len(tokens), n)]) + list(tokens[n:])
+
     @property
     def decoding(self) -> bool:
         return not self.feed and self.pending_token is not None
@@ -308,6 +323,8 @@ class Engine:
         mt = req.params.max_tokens or self.opt.default_max_tokens
         max_tokens = max(1, min(mt, room))
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
+        if req.media is not None and self.spec is not None:
+            raise ImagesUnsupported("images are not supported with speculative decoding (--spec) yet")
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         a = _Active(rid, req, handle, max_tokens, stop_ids, self.tok)
@@ -400,8 +417,9 @@ class Engine:
                 self._pending.popleft()
             history = a.fed_tokens()
             resumed = a.pending_token is not None
-            a.seq = self.kv.acquire(history, a.identity, a.req.session_key,
+            a.seq = self.kv.acquire(a.cache_keys(history), a.identity, a.req.session_key,
                                     max_reuse=len(history) if resumed else len(history) - 1)
+            a.seq.media = a.req.media  # [vision hook] the prefill reads image rows / M-RoPE positions here
             a.feed = history[a.seq.length:]
             if not a.t_admit:  # first admission (a preempted request keeps its figures)
                 a.cached_tokens = a.seq.length
@@ -451,7 +469,7 @@ class Engine:
             a.prompt_computed += len(take)
             self.stats["computed_prefill_tokens"] += len(take)
             if a.ckpt_at is not None and a.seq.length == a.ckpt_at:
-                self.kv.checkpoint(a.seq, a.req.prompt_ids, a.identity, a.req.session_key)
+                self.kv.checkpoint(a.seq, a.cache_keys(a.req.prompt_ids), a.identity, a.req.session_key)
                 a.ckpt_at = None
             if not a.feed and a.pending_token is None:  # a resumed request already holds its next token
                 a.t_prefill_done = a.t_prefill_done or time.monotonic()
@@ -497,7 +515,7 @@ class Engine:
         """Send v back to the head of the queue. Its sequence is released like a finished one
         (kept as a cache entry, spilled to host under pressure), so readmission restores it
         instead of recomputing whenever the entry survives."""
-        self.kv.release(v.seq, v.fed_tokens(), v.identity, v.req.session_key)
+        self.kv.release(v.seq, v.cache_keys(v.fed_tokens()), v.identity, v.req.session_key)
         v.seq = None
         v.preemptions += 1
         self.stats["preemptions"] += 1
@@ -566,7 +584,7 @@ class Engine:
         spec_t = self.spec.on_finish(a) if self.spec is not None else {}  # before the state is released
         if a.seq is not None:
             # an engine error may have interrupted an in-place forward: never cache that state
-            self.kv.release(a.seq, list(a.req.prompt_ids) + a.generated, a.identity, a.req.session_key,
+            self.kv.release(a.seq, a.cache_keys(list(a.req.prompt_ids) + a.generated), a.identity, a.req.session_key,
                             keep=reason != "error")
             a.seq = None
         if not a.handle.admitted.is_set():

@@ -15,6 +15,7 @@ from . import safetensors_io
 from .artifact import Manifest, read_manifest
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .kv_pages import OutOfPages, PageAllocator, SlotAllocator
+from .media_forward import decode_rope_positions, has_media, prefill_media
 from .tvm_loader import device_for, import_tvm, load_vm
 
 
@@ -25,6 +26,7 @@ class SeqKV:
     slot: int
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    media: object = None  # [vision hook] the request's runtime/media.py MediaInput (images, M-RoPE positions)
 
 
 class TokenError(ValueError):
@@ -69,6 +71,7 @@ class ModelRunner:
         self.slots = SlotAllocator(num_slots)
         self._alloc_pools(num_pages, num_slots)
         self._init_spec(num_pages)
+        self.vision = None  # [vision hook] runtime/vision_encoder.py VisionEncoder for image prefills
         self.decode_graphs = None
         if kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
@@ -224,10 +227,16 @@ class ModelRunner:
     def prefill(self, batch: list[tuple[SeqKV, list[int]]], all_logits: bool = False) -> list[np.ndarray]:
         """Run a chunk of tokens for each (seq, tokens); returns per-sequence logits
         ([V] for the last token, or [len, V] with all_logits)."""
+        if has_media(batch):  # [vision hook] image rows and M-RoPE positions (runtime/media_forward.py)
+            return prefill_media(self, batch, all_logits)
         args, cu = self._ragged(batch)
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
         out = self.vm["prefill"](*args, self._tensor(rows), self.kv_pool, self.conv_pool, self.ssm_pool, self.params)
-        logits = out[0].numpy()
+        return self._prefilled(batch, out[0].numpy(), cu, all_logits)
+
+    @staticmethod
+    def _prefilled(batch, logits: np.ndarray, cu: np.ndarray, all_logits: bool) -> list[np.ndarray]:
+        """Grow the sequences by their chunk; per-sequence logits ([V], or [len, V] with all_logits)."""
         for s, t in batch:
             s.length += len(t)
         if all_logits:
@@ -246,7 +255,12 @@ class ModelRunner:
         # attention split count, which follows the width, is the same in both modes)
         width = page_width_bucket(max(len(s.pages) for s in seqs)) if self.device_kind == "cuda" else None
         pt = self._page_table(seqs, width)
-        if self.decode_graphs is not None:
+        rope = decode_rope_positions(seqs)  # [vision hook] cache position + rope delta after images
+        if rope is not None:
+            out = self.vm["decode_mrope"](self._tensor(toks), self._tensor(positions), self._tensor(rope),
+                                          self._tensor(pt), self._tensor(slots), self.kv_pool, self.conv_pool,
+                                          self.ssm_pool, self.params)
+        elif self.decode_graphs is not None:
             out = self.decode_graphs([toks, positions, pt, slots],
                                      [self.kv_pool, self.conv_pool, self.ssm_pool, self.params])
         else:
