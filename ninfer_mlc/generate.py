@@ -11,6 +11,7 @@ from .runtime.prefix_cache import PrefixCache
 from .runtime.sampling import SamplingParams
 from .runtime.tiered_kv import TieredKV
 from .runtime.tokenizer import eos_token_ids, load_tokenizer
+from .runtime.vision_encoder import open_vision
 
 TURN_OPENER = "<|im_start|>assistant"
 # what Qwen's own serving inserts when a thinking budget runs out
@@ -19,11 +20,13 @@ THINK_EARLY_CLOSE = ("\n\nConsidering the limited time by the user, I have to gi
 
 
 def open_engine(art_dir: str | Path, options: EngineOptions | None = None, meminfo_reader=None,
-                **runner_kw) -> Engine:
-    """Runner + tiered KV + engine for an artifact, started."""
+                vision: str = "auto", **runner_kw) -> Engine:
+    """Runner + tiered KV + engine for an artifact, started.
+    vision: where the vision tower of a VLM artifact runs (auto = the runner's device, cpu, off)."""
     options = options or EngineOptions()
     options.validate()
     runner = ModelRunner(art_dir, num_slots=options.device_slots, **runner_kw)
+    runner.vision = open_vision(runner, vision)
     options.max_context = min(options.max_context, runner.manifest.max_context)
     tok = load_tokenizer(art_dir)
     if options.prefix_reuse:

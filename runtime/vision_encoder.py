@@ -26,6 +26,22 @@ class VisionUnavailable(RuntimeError):
     pass
 
 
+VISION_MODES = ("auto", "cpu", "off")
+
+
+def open_vision(runner, mode: str = "auto") -> "VisionEncoder | None":
+    """The encoder for a runner's artifact: "auto" = on the runner's device when the artifact has a library
+    for it (else the host), "cpu" = `--vision-cpu`, "off" = none. None when the artifact has no tower."""
+    if mode not in VISION_MODES:
+        raise ValueError(f"vision mode must be one of {VISION_MODES}, got {mode!r}")
+    section = vision_section(runner.manifest)
+    if mode == "off" or section is None:
+        return None
+    device = "cuda" if mode == "auto" and runner.device_kind == "cuda" and "cuda" in section["libraries"] else "cpu"
+    return VisionEncoder(runner.art_dir, runner.manifest, device, getattr(runner.dev, "index", 0) if device == "cuda"
+                         else 0)
+
+
 def vision_section(manifest) -> dict | None:
     return (manifest.extras or {}).get("vision")
 
@@ -114,6 +130,12 @@ class VisionEncoder:
             s["encode_ms_max"] = max(s["encode_ms_max"], dt * 1000)
         sizes = np.cumsum([img.num_tokens(self.merge) for img in images])[:-1]
         return np.split(emb, sizes)
+
+    def note(self, **counts) -> None:
+        """Add request-side counters (images, fetch / preprocess time) to the /stats section."""
+        with self._lock:
+            for k, v in counts.items():
+                self.stats[k] = self.stats.get(k, 0) + v
 
     def snapshot(self) -> dict:
         """/stats: where the tower runs, its memory and its time."""

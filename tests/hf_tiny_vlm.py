@@ -19,14 +19,18 @@ ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 
         "mrope_interleaved": True}
 
 
-def make_hf_vlm(seed: int = 7):
+def make_hf_vlm(seed: int = 7, vocab_size: int | None = None, tokens=(IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END),
+                eos: int | None = None):
+    """tokens: (image, video, vision_start, vision_end) ids."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(seed)
-    cfg = Qwen3_5Config(text_config=dict(**GEOMETRY, rope_parameters=ROPE), vision_config=dict(VISION),
-                        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
-                        vision_end_token_id=VISION_END)
+    text = dict(GEOMETRY, rope_parameters=ROPE, **({"vocab_size": vocab_size} if vocab_size else {}),
+                **({"eos_token_id": eos} if eos is not None else {}))
+    image, video, start, end = tokens
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(VISION), image_token_id=image, video_token_id=video,
+                        vision_start_token_id=start, vision_end_token_id=end)
     cfg._attn_implementation = "eager"
     cfg.text_config._attn_implementation = "eager"
     cfg.vision_config._attn_implementation = "eager"
@@ -75,3 +79,31 @@ def make_image(w: int, h: int, seed: int):
     base = np.stack([x * 255 / max(w - 1, 1), y * 255 / max(h - 1, 1), (x + y) * 127 / max(w + h - 2, 1)], -1)
     img = np.clip(base + rng.normal(0, 40, base.shape), 0, 255).astype(np.uint8)
     return Image.fromarray(img, "RGB")
+
+
+# ---- a servable tiny VLM: the embedded model's tokenizer + chat template with Qwen's vision tokens -----
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def make_servable_vlm_dir(out: Path, seed: int = 3) -> Path:
+    """A Qwen3_5ForConditionalGeneration directory `ninfer compile` + `ninfer serve` take: the tiny default
+    model's BPE tokenizer (2000 ids) plus the four vision tokens (2000..2003), its ChatML template, and a
+    random tiny VLM over a 2048-token vocabulary."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from ninfer_mlc.paths import default_model_dir
+
+    src = default_model_dir()
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    ids = [tok.token_to_id(t) for t in VISION_TOKENS]
+    start, end, image, video = ids
+    eos = tok.token_to_id("<|im_end|>")
+    save_hf_vlm(make_hf_vlm(seed, vocab_size=2048, tokens=(image, video, start, end), eos=eos), out)
+    tok.save(str(out / "tokenizer.json"))
+    for f in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (src / f).is_file():
+            shutil.copy2(src / f, out / f)
+    return out

@@ -18,6 +18,7 @@ from . import generation as gen
 from .errors import APIError, bad_request
 from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
+from .image_parts import VISION_MARKER, anthropic_image_block
 from .sse import SSEResponse, sse_event
 
 router = APIRouter()
@@ -83,7 +84,8 @@ def parse_system(raw: Any) -> Optional[str]:
     return "\n".join(parts)
 
 
-def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
+def parse_messages(raw: Any, system: Optional[str], images: Optional[list] = None) -> list[dict]:
+    """images: collects the ImageRef of every user image block, in prompt order (None: images refused)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", param="messages")
     out: list[dict] = []
@@ -98,13 +100,13 @@ def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
             raise bad_request(f"{p}.role must be 'user' or 'assistant', got {role!r}", param=f"{p}.role")
         blocks = _blocks(m.get("content"), f"{p}.content")
         if role == "user":
-            out.extend(_user_messages(blocks, f"{p}.content"))
+            out.extend(_user_messages(blocks, f"{p}.content", images))
         else:
             out.append(_assistant_message(blocks, f"{p}.content"))
     return out
 
 
-def _user_messages(blocks: list[dict], p: str) -> list[dict]:
+def _user_messages(blocks: list[dict], p: str, images: Optional[list] = None) -> list[dict]:
     out: list[dict] = []
     text: list[str] = []
 
@@ -124,6 +126,9 @@ def _user_messages(blocks: list[dict], p: str) -> list[dict]:
             if isinstance(b.get("tool_use_id"), str):
                 msg["tool_call_id"] = b["tool_use_id"]
             out.append(msg)
+        elif t == "image" and images is not None:
+            images.append(anthropic_image_block(b, f"{p}[{j}]"))
+            text.append(VISION_MARKER)
         elif t in ("image", "document", "audio", "video"):
             raise bad_request(f"{p}[{j}]: content type {t!r} is not supported (text-only model)",
                               param=f"{p}[{j}].type")
@@ -265,7 +270,8 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", param="model")
     system = parse_system(body.get("system"))
-    messages = parse_messages(body.get("messages"), system)
+    images: list = []
+    messages = parse_messages(body.get("messages"), system, images)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
     thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"))
@@ -289,7 +295,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     inp = ChatInputs(messages=messages, tools=tools if allow_calls else None,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
                      sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
-                     template_kwargs={"reasoning_effort": effort} if effort else {})
+                     template_kwargs={"reasoning_effort": effort} if effort else {}, images=images)
     return inp, model or "", stream, omit_thinking
 
 

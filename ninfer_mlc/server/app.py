@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse
 from . import anthropic_api, openai_api
 from .errors import APIError, error_response, send_error
 from .state import ServerConfig, ServerState
+from .vision import vision_mode, vision_service
 
 log = logging.getLogger("ninfer.server")
 
@@ -279,7 +280,7 @@ def load_state(args, engine: Any = None) -> ServerState:
         if parts["kv_capacity"]:
             runner_kw["kv_capacity_tokens"] = parts["kv_capacity"]
         try:
-            engine = open_engine(model_dir, parts["options"], **runner_kw)
+            engine = open_engine(model_dir, parts["options"], vision=vision_mode(args), **runner_kw)
         except (ArtifactError, ValueError, FileNotFoundError) as e:
             raise _cli_error(f"model: {e}") from None
     cfg = manifest.config
@@ -297,7 +298,12 @@ def load_state(args, engine: Any = None) -> ServerState:
         family=cfg.get("family") or cfg.get("model_type"),
         request_log_path=args.request_log_jsonl,
     )
-    return ServerState(engine, template, config)
+    state = ServerState(engine, template, config)
+    try:  # [vision hook] None for text-only models / --no-vision
+        state.vision = vision_service(args, engine)
+    except ValueError as e:
+        raise _cli_error(f"vision: {e}") from None
+    return state
 
 
 _UVICORN_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warning": "warning", "error": "error",

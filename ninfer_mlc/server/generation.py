@@ -43,6 +43,7 @@ class ChatInputs:
     param_names: dict = field(default_factory=dict)  # SamplingParams field -> request spelling
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
+    images: list = field(default_factory=list)  # ImageRef per image part, in prompt order (server/image_parts.py)
 
 
 @dataclass
@@ -55,11 +56,12 @@ class Prepared:
     tools: Optional[list[dict]]  # for the tool-call parser; None = no parsing
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # enforced by the engine while the reply is reasoning
+    media: Any = None  # runtime/media.py MediaInput when the prompt has images
 
     def request_fields(self) -> dict:
-        """Engine-side extras: KV identity of the template mode, the reasoning budget."""
+        """Engine-side extras: KV identity of the template mode, the reasoning budget, the images."""
         return {"cache_mode": "think" if self.thinking else "nothink", "thinking_budget": self.thinking_budget,
-                "started_in_think": self.started_in_think}
+                "started_in_think": self.started_in_think, "media": self.media}
 
 
 def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
@@ -110,16 +112,33 @@ def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
 
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:
-    """Render + tokenize off the event loop (long prompts take a while)."""
-    return await run_in_threadpool(_prepare_chat_sync, state, inp)
+    """Render + tokenize off the event loop (long prompts take a while); images -> the media payload."""
+    prep = await run_in_threadpool(_prepare_chat_sync, state, inp)
+    if inp.images:
+        prep.prompt_ids, prep.media = await _vision(state).media_for(prep.prompt_ids, inp.images)
+    elif getattr(state, "vision", None) is not None and state.vision.pad_id in prep.prompt_ids:
+        raise bad_request("the prompt has an image placeholder but no image (image placeholder text in a message?)",
+                          param="messages")
+    return prep
+
+
+def _vision(state):
+    vision = getattr(state, "vision", None)
+    if vision is None:
+        raise bad_request("this model does not take images (no vision tower, or the server runs with --no-vision)",
+                          param="messages")
+    return vision
 
 
 async def count_prompt_tokens(state, inp: ChatInputs) -> int:
     def work():
         text, _ = render_prompt(state, inp)
-        return len(encode(state, text))
+        return encode(state, text)
 
-    return await run_in_threadpool(work)
+    ids = await run_in_threadpool(work)
+    if inp.images:
+        ids, _ = await _vision(state).media_for(ids, inp.images, encode=False)
+    return len(ids)
 
 
 # ---- events -----------------------------------------------------------------------------

@@ -38,6 +38,21 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--greedy", action="store_true", help="temperature 0 unless a request says otherwise")
     add_cache_args(p)
     add_spec_args(p)
+    add_vision_args(p)
+
+
+def add_vision_args(p: argparse.ArgumentParser) -> None:
+    """Image input (models compiled from a Qwen3_5ForConditionalGeneration checkpoint; server/vision.py)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--vision-cpu", action="store_true",
+                   help="run the vision tower on the host CPU (weights in host RAM), leaving device memory to KV")
+    g.add_argument("--no-vision", action="store_true", help="refuse images (no vision tower loaded)")
+    p.add_argument("--max-images-per-request", type=int, default=16)
+    p.add_argument("--max-image-mib", type=float, default=20, help="bytes of one image as sent (inline or fetched)")
+    p.add_argument("--max-image-pixels", type=int, default=50_000_000, help="pixels of one image as sent")
+    p.add_argument("--max-request-image-pixels", type=int, default=1 << 25,
+                   help="pixels of all images of a request after resizing (what the vision tower computes)")
+    p.add_argument("--image-fetch-timeout", type=float, default=10.0, help="seconds to fetch an http(s) image")
 
 
 def add_cache_args(p: argparse.ArgumentParser) -> None:

@@ -74,6 +74,7 @@ class ServerState:
         runner = getattr(engine, "runner", None)
         if runner is not None:
             self.vocab_size = getattr(runner, "vocab_size", None)
+        self.vision = None  # [vision hook] server/vision.py VisionService when the model takes images
         self.in_flight = 0
         self.max_in_flight = 0
         self._tok_text: dict[int, str] = {}

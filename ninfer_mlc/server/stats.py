@@ -334,7 +334,15 @@ def build_stats(engine: Any, http_state: Any = None, model_id: Optional[str] = N
         "spec": _spec(engine_stats, engine),
         "load": load,
         "cache_options": cache_options,
+        "vision": _vision(runner),
     }
+
+
+def _vision(runner: Any) -> dict:
+    """The vision tower (runtime/vision_encoder.py snapshot): device, weights, encode time, image counters."""
+    enc = getattr(runner, "vision", None)
+    snap = _call(enc, "snapshot", None) if enc is not None else None
+    return {"enabled": True, **snap} if isinstance(snap, dict) else {"enabled": False}
 
 
 def _cuda_graphs(runner: Any) -> dict:
