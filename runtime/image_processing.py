@@ -119,13 +119,17 @@ def prepare_image(img, s: ProcessorSettings) -> PreparedImage:
     x = (resized.astype(np.float64) * (1 / 255)).astype(np.float32).transpose(2, 0, 1)  # [C, H, W]
     mean = np.asarray(s.image_mean, np.float32)[:, None, None]
     std = np.asarray(s.image_std, np.float32)[:, None, None]
-    x = (x - mean) / std
+    patches, grid = patchify((x - mean) / std, s)
+    return PreparedImage(patches, grid, digest, (src_w, src_h))
+
+
+def patchify(x: np.ndarray, s: ProcessorSettings) -> tuple[np.ndarray, tuple]:
+    """Normalised [C, H, W] (H, W multiples of patch x merge) -> ([gh * gw, C * T * P * P] float32, (1, gh, gw))."""
     c, p, m, t = x.shape[0], s.patch_size, s.merge_size, s.temporal_patch_size
-    gh, gw = h // p, w // p
+    gh, gw = x.shape[1] // p, x.shape[2] // p
     blocks = x.reshape(c, gh // m, m, p, gw // m, m, p).transpose(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, P, P)
     frames = np.broadcast_to(blocks[:, :, :, :, :, None], blocks.shape[:5] + (t,) + blocks.shape[5:])
-    patches = np.ascontiguousarray(frames.reshape(gh * gw, c * t * p * p), dtype=np.float32)
-    return PreparedImage(patches, (1, gh, gw), digest, (src_w, src_h))
+    return np.ascontiguousarray(frames.reshape(gh * gw, c * t * p * p), dtype=np.float32), (1, gh, gw)
 
 
 def resized_pixels(width: int, height: int, s: ProcessorSettings) -> int:
