@@ -2,8 +2,8 @@
 
   vit_attention(q[n, H, D], k[n, H, D], v[n, H, D], cu[s+1] i32, seg[n] i32) -> out[n, H, D]
 
-One block per (head, QT consecutive patches), one thread per patch holding its query and fp32
-accumulator in registers. The block walks the keys of every image its patches belong to in tiles
+One block per (head, QT consecutive patches), one thread per patch: its fp32 accumulator in
+registers, its (scaled) query in a padded shared-memory row (registers for both spill at D = 72). The block walks the keys of every image its patches belong to in tiles
 of KT rows staged in shared memory (fp32; every thread reads the same key row: a broadcast), with
 an online softmax; a thread skips the keys outside its own image. No n x n scores are formed.
 """
@@ -35,7 +35,7 @@ def vit_attention(n_heads: int, head_dim: int, dtype: str):
         out = T.match_buffer(var_out, (n, H, D), dtype)
         for bx in T.thread_binding(H * ((n + QT - 1) // QT), thread="blockIdx.x"):
             for tx in T.thread_binding(QT, thread="threadIdx.x"):
-                qr = T.alloc_buffer((D,), "float32", scope="local")
+                qs = T.alloc_buffer((QT, D + 1), "float32", scope="shared")  # +1: conflict-free rows
                 acc = T.alloc_buffer((D,), "float32", scope="local")
                 st = T.alloc_buffer((4,), "float32", scope="local")  # running max, denominator, score, p
                 ks = T.alloc_buffer((KT, D), "float32", scope="shared")
@@ -48,7 +48,7 @@ def vit_attention(n_heads: int, head_dim: int, dtype: str):
                 jlo = cu[seg[i0]]
                 jhi = cu[seg[T.min(i0 + QT - 1, n - 1)] + 1]
                 for d in T.unroll(D):
-                    qr[d] = T.Cast("float32", q[i, h, d]) * T.float32(scale)
+                    qs[tx, d] = T.Cast("float32", q[i, h, d]) * T.float32(scale)
                     acc[d] = T.float32(0)
                 st[0] = T.float32(NEG)
                 st[1] = T.float32(0)
@@ -65,7 +65,7 @@ def vit_attention(n_heads: int, head_dim: int, dtype: str):
                         if jlo + t * KT + jj >= lo and jlo + t * KT + jj < hi:
                             st[2] = T.float32(0)
                             for d in T.unroll(D):
-                                st[2] = st[2] + qr[d] * ks[jj, d]
+                                st[2] = st[2] + qs[tx, d] * ks[jj, d]
                             st[3] = T.exp(st[0] - T.max(st[0], st[2]))  # rescale of the old sums
                             st[0] = T.max(st[0], st[2])
                             st[1] = st[1] * st[3]
