@@ -491,7 +491,8 @@ class Qwen3xForCausalLM(nn.Module):
                    logit_rows, image_embeds, row_src, kv_pool, conv_pool, ssm_pool):
         """prefill whose rows may be image embeddings and whose RoPE follows rope_positions [n, 3].
         Row i's input is embed(tokens[i]) for row_src[i] == i, else image_embeds[row_src[i] - n]
-        (image_embeds [m, D] fp32, m may be 0); positions stay the cache positions."""
+        (image_embeds [m, D] fp32; the runtime sends one unreferenced row when a chunk has none);
+        positions stay the cache positions."""
         with self._prefill_gemm():
             x = op.concat([self.model.embed_tokens(tokens), image_embeds.astype(self.dtype)], dim=0)
             x = op.take(x, row_src, axis=0)

@@ -17,23 +17,33 @@ is the Conv3d kernel flattened to [hidden, C*T*P*P] (compile/vision_build.py).
 """
 from __future__ import annotations
 
+import contextvars
+
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
+from .kernels import cpu_linear
 from .vision_config import VisionConfig
 
 LN_EPS = 1e-6
+# set while an llvm encoder is constructed: its fp32 projections run as kernels/cpu_linear.py
+_CPU_LINEAR: contextvars.ContextVar = contextvars.ContextVar("ninfer_vision_cpu_linear", default=False)
 
 
 class BiasLinear(nn.Module):
-    """y = x W^T + b with fp32 accumulation, result in the activation dtype."""
+    """y = x W^T + b with fp32 accumulation, result in the activation dtype (llvm: one parallel vector kernel)."""
 
     def __init__(self, i: int, o: int, dtype: str):
-        self.dtype = dtype
+        self.dtype, self.out_features = dtype, o
         self.weight = nn.Parameter((o, i), dtype)
         self.bias = nn.Parameter((o,), dtype)
+        use_cpu = _CPU_LINEAR.get() and dtype == "float32" and cpu_linear.applies(i, o)
+        self.cpu_kernel = cpu_linear.cpu_linear(i, o) if use_cpu else None
 
     def forward(self, x: nn.Tensor) -> nn.Tensor:
+        if self.cpu_kernel is not None:
+            return op.tensor_ir_op(self.cpu_kernel, "cpu_linear", [x, self.weight, self.bias],
+                                   nn.Tensor.placeholder((x.shape[0], self.out_features), "float32"))
         y = op.matmul(x, op.permute_dims(self.weight), out_dtype="float32") + self.bias.astype("float32")
         return y if self.dtype == "float32" else y.astype(self.dtype)
 
@@ -133,10 +143,14 @@ class Qwen35VisionEncoder(nn.Module):
     def __init__(self, cfg: VisionConfig, dtype: str, target_kind: str = "llvm"):
         self.cfg, self.dtype = cfg, dtype
         kernel = vision_attention_kernel(target_kind, cfg.num_heads, cfg.head_dim, dtype)
-        self.patch_embed = PatchEmbed(cfg, dtype)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype)
-        self.blocks = nn.ModuleList([VisionBlock(cfg, dtype, kernel) for _ in range(cfg.depth)])
-        self.merger = PatchMerger(cfg, dtype)
+        token = _CPU_LINEAR.set(target_kind == "llvm")
+        try:
+            self.patch_embed = PatchEmbed(cfg, dtype)
+            self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype)
+            self.blocks = nn.ModuleList([VisionBlock(cfg, dtype, kernel) for _ in range(cfg.depth)])
+            self.merger = PatchMerger(cfg, dtype)
+        finally:
+            _CPU_LINEAR.reset(token)
 
     def encode(self, patches, interp_idx, interp_w, rope_cos, rope_sin, cu_seqlens, seg):
         cfg = self.cfg

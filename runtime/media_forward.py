@@ -39,7 +39,9 @@ def prefill_media(runner, batch, all_logits: bool) -> list[np.ndarray]:
             row_src[start + img] = n + m + np.arange(img.size, dtype=np.int32)
             m += img.size
     d = int(runner.cfg["hidden_size"])
-    image_embeds = np.concatenate(embeds) if embeds else np.zeros((0, d), np.float32)
+    # no image row in this chunk: one unreferenced zero row (a zero-row tensor would mean zero-size kernel
+    # launches on CUDA)
+    image_embeds = np.concatenate(embeds) if embeds else np.zeros((1, d), np.float32)
     logit_rows = np.arange(n, dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
     tokens, positions, token_seq, cu_t, page_table, slots = args
     out = runner.vm["prefill_mm"](
