@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec sass hf serve agent
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec vision sass hf serve agent
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -37,6 +37,7 @@ for step in "$@"; do
              --serve-args "${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \
              --serve-args "${SERVE_FLAGS:-}" --server-log $OUT/agent_server.log -o $OUT/agent.json ${AGENT_ARGS:-} ;;
+    vision) [ -d .gpu/vision ] && run vision 540 python3 bench/vision_gpu_bench.py run .gpu/vision $OUT/vision.json ${VISION_ARGS:-} ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)
       { for f in .gpu/sass/*.fatbin; do

@@ -16,10 +16,13 @@ from ..contract import safetensors_io
 from ..contract.manifest import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
+from .lib_build import build_cached
 from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
-from .targets import TargetSpec, cuda_build_env, parse_target
+from .targets import TargetSpec, parse_target
+from .vision_build import compile_vision, has_vision_weights
+from .vision_config import load_vision_config
 
 # --quant -> (activation dtype, weight format). nvfp4: decoder projections in NVFP4 (fused dequant),
 # activations bf16 on CUDA and f32 on CPU (where bf16 arithmetic is emulated).
@@ -29,7 +32,7 @@ QUANT_MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "nvfp4": (N
 KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 SHARD_BYTES = 1 << 30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                   "generation_config.json", "special_tokens_map.json", "config.json")
+                   "generation_config.json", "special_tokens_map.json", "config.json", "preprocessor_config.json")
 EXTRA_TEMPLATES = "additional_chat_templates"  # named chat templates (*.jinja) beside the default one
 
 
@@ -90,16 +93,15 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                  fp4_mma: bool = False) -> list:
+                  fp4_mma: bool = False, multimodal: bool = False) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
+    multimodal: also compile prefill_mm / decode_mrope (checkpoints with a vision tower).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (the test suite does).
     """
-    from tvm import relax
-
     from .kernels.dequant import fp4_mma_scope
 
     kv_dtype = kv_dtype or dtype
@@ -108,32 +110,13 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
     arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
     with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
-        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
+        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
+                                  multimodal=multimodal)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
-    cache = os.environ.get("NINFER_LIB_CACHE")
     key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
-           + ("-fp4mma" if fp4_mma else ""))
-    cached = Path(cache) / f"{key}.so" if cache else None
-    if cached is not None and cached.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(cached, lib_path)
-        return specs
-    tgt = target.tvm_target()
-    if target.kind == "cuda":
-        from .gpu_pipeline import build_cuda
-
-        with cuda_build_env(tgt):
-            ex = build_cuda(mod, tgt)
-    else:
-        ex = relax.build(mod, target=tgt)
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    ex.export_library(str(lib_path))
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copy2(lib_path, tmp)
-        os.replace(tmp, cached)
+           + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
+    build_cached(mod, target, lib_path, key)
     return specs
 
 
@@ -159,15 +142,18 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progre
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, log=print, progress: Progress = SILENT) -> Path:
+                  random_weights: int | None = None, vision: bool = True, log=print,
+                  progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
     unless asked (--allow-random-weights).
+    vision: compile the vision tower when the checkpoint has one (compile/vision_build.py).
     progress: bars for the library build, the weight conversion and the shard writes."""
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
+    vcfg = load_vision_config(model_dir) if vision else None
     tspec = parse_target(target)
     if quant not in QUANT_MODES:
         raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_MODES)}")
@@ -214,17 +200,22 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     t0 = time.time()
     lib_rel = f"{name}.so"
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
-    mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(
-        n for f in weight_files for n in safetensors_io.read_header(f)[0]))
+    names = [n for f in weight_files for n in safetensors_io.read_header(f)[0]]
+    mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(names))
+    if vcfg is not None and (random_weights is not None or not has_vision_weights(names)):
+        vcfg = None  # a VLM config whose checkpoint was saved text-only (or a text-only benchmark artifact)
     with progress.step(f"build {tspec.name} library"):
         specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                              fp4_mma=use_fp4_mma)
+                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
+    vision_section = None
     if random_weights is None:
         np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
-        params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
+        tensors = safetensors_io.load_dir(model_dir)
+        vision_section = compile_vision(vcfg, tensors, tspec, dtype, out, log) if vcfg is not None else None
+        params = hf_to_params(tensors, cfg, specs, (inv_freq, factor),
                               cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
                               np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))),
                               track=progress.iterate)
@@ -248,7 +239,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
                 "fp4_mma": bool(use_fp4_mma),
-                **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {})},
+                **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
+                **({"vision": vision_section} if vision_section else {})},
     ))
     log(f"wrote {out}")
     return out

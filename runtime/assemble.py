@@ -18,6 +18,7 @@ from .kv.prefix_cache import PrefixCache
 from .scheduler.scheduler import ThinkControl
 from .stats import ModelInfo
 from .tokenizer import load_tokenizer
+from .vision.encoder import open_vision
 
 TURN_START = "<|im_start|>"
 # what Qwen's own serving inserts when a thinking budget runs out
@@ -44,6 +45,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
     runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    runner.vision = open_vision(runner, cfg.vision)
     cache = host = None
     if cfg.prefix_reuse:
         cache = PrefixCache(cfg.max_cache_entries)

@@ -30,6 +30,9 @@ class EngineConfig:
                                     metavar="TOKENS|auto",
                                     default_text="auto on CUDA, max-context x max-concurrency on the CPU")
     cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
+    vision: str = _f("auto", "where the vision tower of an image-capable model runs: auto (the model's device), "
+                             "cpu (host cores, weights in host RAM, device memory left to KV) or off (images refused)",
+                     choices=("auto", "cpu", "off"))
     # ---- scheduling
     max_context: Optional[int] = _f(None, "per-sequence token limit (at most what the model was compiled for)",
                                     metavar="TOKENS", default_text="the compiled model's")
@@ -70,6 +73,7 @@ class EngineConfig:
             return v
 
         need(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        need(self.vision in ("auto", "cpu", "off"), "vision", f"must be auto, cpu or off, got {self.vision!r}")
         if self.kv_capacity is not None and str(self.kv_capacity) != "auto":
             try:
                 cap = int(str(self.kv_capacity))

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..contract.generation import GenerationDefaults
 from .config import EngineConfig
-from .errors import BadConstraint, ContextTooLong, EngineStopped, InvalidRequest, QueueFull
+from .errors import BadConstraint, ContextTooLong, EngineStopped, ImagesUnsupported, InvalidRequest, QueueFull
 from .executor.model_runner import ModelRunner
 from .grammar import ConstraintCompiler, ConstraintError, mask_logits
 from .kv.manager import KVManager
@@ -182,6 +182,8 @@ class Engine:
         room = self.max_context - n
         max_tokens = max(1, min(req.params.max_tokens or self.cfg.default_max_tokens, room))
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
+        if req.media is not None and self.spec is not None:
+            raise ImagesUnsupported("images are not supported with speculative decoding (--spec) yet")
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         r = Request(rid, req, handle, max_tokens, stop_ids, self.tok)
@@ -309,4 +311,5 @@ class Engine:
             counters=replace(self.counters), spec=replace(self.spec_counters), model=self.model_info,
             cache=cache.summary() if cache is not None else {}, planner=dict(kv.stats), occupancy=kv.occupancy(),
             transfers=dict(host.stats) if host is not None else {},
-            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g)
+            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g,
+            vision=self.runner.vision.snapshot() if self.runner.vision is not None else {})

@@ -15,6 +15,10 @@ class BadConstraint(InvalidRequest):
     """A constrained-decoding spec (GenRequest.constraint) that cannot be compiled."""
 
 
+class ImagesUnsupported(InvalidRequest):
+    """Images in a request this engine cannot take them with (speculative decoding has no M-RoPE yet)."""
+
+
 class ContextTooLong(EngineError):
     """The prompt (plus at least one generated token) does not fit the context or the KV pool."""
 

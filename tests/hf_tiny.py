@@ -32,9 +32,17 @@ def make_hf_model(family: str, seed: int, tie: bool = False, rope_parameters: di
         cfg = Qwen3NextConfig(**GEOMETRY, tie_word_embeddings=tie, rope_parameters=rope, num_experts=0)
         cls = Qwen3NextForCausalLM
     cfg._attn_implementation = "eager"
-    model = cls(cfg).eval().float()
+    return redraw(cls(cfg).eval().float())
+
+
+def redraw(model, special=None):
+    """Redraw every parameter; special(name, param) -> True when it drew that one itself."""
+    import torch
+
     with torch.no_grad():
         for n, p in model.named_parameters():
+            if special is not None and special(n, p):
+                continue
             if n.endswith("A_log"):
                 p.copy_(torch.empty_like(p).uniform_(0.5, 4).log())
             elif n.endswith("dt_bias"):

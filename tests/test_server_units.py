@@ -300,7 +300,8 @@ def test_anthropic_request_conversion():
     ({"tool_choice": {"type": "any"}}, "tool_choice.type"),  # forcing a tool needs tools
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice.name"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].source.type"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
@@ -324,6 +325,8 @@ def test_anthropic_request_errors_name_the_field(patch, param):
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[0].type"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),

@@ -19,6 +19,7 @@ from .constraints import anthropic_constraint, anthropic_output_format
 from .errors import APIError, bad_request
 from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
+from .image_parts import VISION_MARKER, anthropic_image_block
 from .sse import SSEResponse, sse_event
 
 router = APIRouter()
@@ -84,7 +85,8 @@ def parse_system(raw: Any) -> Optional[str]:
     return "\n".join(parts)
 
 
-def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
+def parse_messages(raw: Any, system: Optional[str], images: Optional[list] = None) -> list[dict]:
+    """images: collects the ImageRef of every user image block, in prompt order (None: images refused)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", param="messages")
     out: list[dict] = []
@@ -99,13 +101,13 @@ def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
             raise bad_request(f"{p}.role must be 'user' or 'assistant', got {role!r}", param=f"{p}.role")
         blocks = _blocks(m.get("content"), f"{p}.content")
         if role == "user":
-            out.extend(_user_messages(blocks, f"{p}.content"))
+            out.extend(_user_messages(blocks, f"{p}.content", images))
         else:
             out.append(_assistant_message(blocks, f"{p}.content"))
     return out
 
 
-def _user_messages(blocks: list[dict], p: str) -> list[dict]:
+def _user_messages(blocks: list[dict], p: str, images: Optional[list] = None) -> list[dict]:
     out: list[dict] = []
     text: list[str] = []
 
@@ -125,6 +127,9 @@ def _user_messages(blocks: list[dict], p: str) -> list[dict]:
             if isinstance(b.get("tool_use_id"), str):
                 msg["tool_call_id"] = b["tool_use_id"]
             out.append(msg)
+        elif t == "image" and images is not None:
+            images.append(anthropic_image_block(b, f"{p}[{j}]"))
+            text.append(VISION_MARKER)
         elif t in ("image", "document", "audio", "video"):
             raise bad_request(f"{p}[{j}]: content type {t!r} is not supported (text-only model)",
                               param=f"{p}[{j}].type")
@@ -266,7 +271,8 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", param="model")
     system = parse_system(body.get("system"))
-    messages = parse_messages(body.get("messages"), system)
+    images: list = []
+    messages = parse_messages(body.get("messages"), system, images)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
     constraint, constraint_param = anthropic_constraint(body, tools, allow_calls)
@@ -292,7 +298,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
                      sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
                      template_kwargs={"reasoning_effort": effort} if effort else {},
-                     constraint=None if for_count else constraint, constraint_param=constraint_param)
+                     constraint=None if for_count else constraint, constraint_param=constraint_param, images=images)
     return inp, model or "", stream, omit_thinking
 
 

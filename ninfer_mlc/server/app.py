@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
@@ -30,8 +31,9 @@ from ..config import CLIError, flag_for, from_args
 from ..runtime.config import EngineConfig
 from ..runtime.errors import ConfigError
 from .errors import APIError, error_response, send_error
-from .options import SamplingFlags, ServeOptions
+from .options import SamplingFlags, ServeOptions, VisionOptions
 from .state import ServerConfig, ServerState
+from .vision import vision_service
 
 log = logging.getLogger("ninfer.server")
 
@@ -228,6 +230,10 @@ def load_state(args, engine: Any = None) -> ServerState:
     cfg = engine_config(args, manifest)
     check_serve_options(opts, cfg.max_context or manifest.max_context)
     overrides = sampling_overrides(from_args(SamplingFlags, args))
+    vision_opts = from_args(VisionOptions, args)
+    for f in dataclasses.fields(VisionOptions):
+        if not getattr(vision_opts, f.name) > 0:
+            raise CLIError(f"{flag_for(f.name)} must be > 0, got {getattr(vision_opts, f.name)}")
     try:
         template = ChatTemplate.from_model_dir(str(model_dir), opts.chat_template)
     except ChatTemplateError as e:
@@ -257,7 +263,9 @@ def load_state(args, engine: Any = None) -> ServerState:
         family=mcfg.get("family") or mcfg.get("model_type"),
         request_log_path=opts.request_log_jsonl,
     )
-    return ServerState(engine, template, config)
+    state = ServerState(engine, template, config)
+    state.vision = vision_service(vision_opts, engine)  # None for text-only models / --no-vision
+    return state
 
 
 _UVICORN_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warning": "warning", "error": "error",

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 from starlette.responses import JSONResponse
 
-from ..runtime.errors import (BadConstraint, ContextTooLong, EngineError, EngineStopped, InvalidRequest, QueueFull,
-                              QueueTimeout)
+from ..runtime.errors import (BadConstraint, ContextTooLong, EngineError, EngineStopped, ImagesUnsupported,
+                              InvalidRequest, QueueFull, QueueTimeout)
 from ..runtime.sampling import SamplingError
 
 # status -> (OpenAI error type, Anthropic error type)
@@ -59,6 +59,8 @@ def from_engine(e: EngineError, param: Optional[str] = None) -> APIError:
         return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout")
     if isinstance(e, EngineStopped):
         return APIError(503, str(e), code="engine_stopped")
+    if isinstance(e, ImagesUnsupported):
+        return APIError(400, str(e), param=param or "messages", code="images_unsupported")
     if isinstance(e, BadConstraint):
         return APIError(400, str(e), param=param, code="invalid_constraint")
     if isinstance(e, InvalidRequest):

@@ -47,6 +47,7 @@ class ChatInputs:
     thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
     constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
     constraint_param: str = ""  # the request field the constraint came from (named by a 400)
+    images: list = field(default_factory=list)  # ImageRef per image part, in prompt order (server/image_parts.py)
 
 
 @dataclass
@@ -60,11 +61,13 @@ class Prepared:
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # enforced by the engine while the reply is reasoning
     constraint: Optional[dict] = None  # compiled (and cached) by prepare_chat
+    media: Any = None  # runtime/media.py MediaInput when the prompt has images
 
     def request_fields(self) -> dict:
-        """Engine-side extras: KV identity of the template mode, the reasoning budget, the constraint."""
+        """Engine-side extras: KV identity of the template mode, the reasoning budget, the constraint, the
+        images."""
         return {"cache_mode": "think" if self.thinking else "nothink", "thinking_budget": self.thinking_budget,
-                "started_in_think": self.started_in_think, "constraint": self.constraint}
+                "started_in_think": self.started_in_think, "constraint": self.constraint, "media": self.media}
 
 
 def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
@@ -131,16 +134,33 @@ def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
 
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:
-    """Render + tokenize off the event loop (long prompts take a while)."""
-    return await run_in_threadpool(_prepare_chat_sync, state, inp)
+    """Render + tokenize off the event loop (long prompts take a while); images -> the media payload."""
+    prep = await run_in_threadpool(_prepare_chat_sync, state, inp)
+    if inp.images:
+        prep.prompt_ids, prep.media = await _vision(state).media_for(prep.prompt_ids, inp.images)
+    elif getattr(state, "vision", None) is not None and state.vision.pad_id in prep.prompt_ids:
+        raise bad_request("the prompt has an image placeholder but no image (image placeholder text in a message?)",
+                          param="messages")
+    return prep
+
+
+def _vision(state):
+    vision = getattr(state, "vision", None)
+    if vision is None:
+        raise bad_request("this model does not take images (no vision tower, or the server runs with --no-vision)",
+                          param="messages")
+    return vision
 
 
 async def count_prompt_tokens(state, inp: ChatInputs) -> int:
     def work():
         text, _ = render_prompt(state, inp)
-        return len(encode(state, text))
+        return encode(state, text)
 
-    return await run_in_threadpool(work)
+    ids = await run_in_threadpool(work)
+    if inp.images:
+        ids, _ = await _vision(state).media_for(ids, inp.images, encode=False)
+    return len(ids)
 
 
 # ---- events -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from .constraints import openai_constraint
 from .errors import APIError, bad_request
 from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, request_id, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
+from .image_parts import VISION_MARKER, openai_image_part
 from .sse import DONE, SSEResponse, sse_data
 
 router = APIRouter()
@@ -68,7 +69,8 @@ def check_model(state, body: dict) -> str:
 
 
 # ---- request parsing ----------------------------------------------------------------------
-def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional[str]:
+def _text_content(content: Any, param: str, allow_none: bool = True, images: Optional[list] = None) -> Optional[str]:
+    """images: where a user message's image parts go (their place in the text gets the vision marker)."""
     if content is None:
         if allow_none:
             return None
@@ -88,6 +90,9 @@ def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional
                 if not isinstance(p.get("text"), str):
                     raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
                 parts.append(p["text"])
+            elif ptype in ("image_url", "input_image") and images is not None:
+                images.append(openai_image_part(p, f"{param}[{j}]"))
+                parts.append(VISION_MARKER)
             elif ptype in ("image_url", "input_image", "input_audio", "file", "video_url"):
                 raise bad_request(f"{param}[{j}]: content type {ptype!r} is not supported (text-only model)",
                                   param=f"{param}[{j}].type")
@@ -98,7 +103,8 @@ def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional
                       param=param)
 
 
-def parse_messages(raw: Any) -> list[dict]:
+def parse_messages(raw: Any, images: Optional[list] = None) -> list[dict]:
+    """images: collects the ImageRef of every user image part, in prompt order (None: images refused)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", param="messages")
     out = []
@@ -114,7 +120,8 @@ def parse_messages(raw: Any) -> list[dict]:
         elif role == "function":
             role = "tool"
         msg: dict = {"role": role}
-        content = _text_content(m.get("content"), f"{p}.content", allow_none=role in ("assistant",))
+        content = _text_content(m.get("content"), f"{p}.content", allow_none=role in ("assistant",),
+                                images=images if role == "user" else None)
         msg["content"] = content if content is not None else ""
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -207,7 +214,8 @@ def _sampling_layer(body: dict) -> tuple[dict, dict]:
 
 def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     """-> (inputs, stream, include_usage)."""
-    messages = parse_messages(body.get("messages"))
+    images: list = []
+    messages = parse_messages(body.get("messages"), images)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
     stream = bool(get_bool(body, "stream", False))
@@ -238,7 +246,7 @@ def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     inp = ChatInputs(messages=messages, tools=tools, parse_tools=allow_calls and tools is not None,
                      enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, template_kwargs=kwargs,
                      sampling=layer, param_names=names, session_key=session, constraint=constraint,
-                     constraint_param=constraint_param)
+                     constraint_param=constraint_param, images=images)
     if not allow_calls:
         inp.tools = None  # tool_choice "none": do not offer the tools at all
     return inp, stream, include_usage

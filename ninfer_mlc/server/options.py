@@ -44,6 +44,18 @@ class ServeOptions:
 
 
 @dataclass
+class VisionOptions:
+    """Bounds on image input (server/vision.py); where the vision tower runs is EngineConfig.vision."""
+
+    max_images_per_request: int = _f(16, "images in one request")
+    max_image_mib: float = _f(20.0, "bytes of one image as sent (inline or fetched), MiB")
+    max_image_pixels: int = _f(50_000_000, "pixels of one image as sent")
+    max_request_image_pixels: int = _f(1 << 25, "pixels of all images of a request after resizing (what the "
+                                                "vision tower computes)")
+    image_fetch_timeout: float = _f(10.0, "seconds to fetch an http(s) image")
+
+
+@dataclass
 class SamplingFlags:
     """Process-level sampling overrides: request > these flags > the model's presets and defaults."""
 
@@ -68,4 +80,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     group(p, "engine", EngineConfig)
     group(p, "sampling", SamplingFlags, description="process-level overrides: a request's own values win; "
                                                      "unset ones fall back to the model's generation_config.json")
+    v = group(p, "images", VisionOptions, description="image input (models compiled from a "
+                                                        "Qwen3_5ForConditionalGeneration checkpoint)")
+    v.add_argument("--vision-cpu", dest="vision", action="store_const", const="cpu",
+                   help="same as --vision cpu: the vision tower on the host cores, its weights in host RAM")
+    v.add_argument("--no-vision", dest="vision", action="store_const", const="off",
+                   help="same as --vision off: images refused, no vision tower loaded")
     add_model_compile_flags(p)

@@ -40,6 +40,7 @@ class ServerState:
         self.log = RequestLogger(config.request_log_path)
         self.http = HttpCounters()  # in-flight / recent requests / answers by status for /stats
         self.vocab_size: Optional[int] = engine.runner.vocab_size if hasattr(engine, "runner") else None
+        self.vision = None  # server/vision.py VisionService when the model takes images
         self._tok_text: dict[int, str] = {}
 
     def token_text(self, tid: int) -> str:

@@ -20,6 +20,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .inputs import SeqLike, StepInputs
+from .media_forward import decode_rope_positions, has_media, prefill_media
 
 
 def np_dtype(dt: str) -> np.dtype:
@@ -63,6 +64,7 @@ class ModelRunner:
         self.mtp_graphs: Optional[GraphedFunction] = None
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
+        self.vision = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
     def _load_params(self) -> list:
@@ -223,8 +225,11 @@ class ModelRunner:
         lens = np.array([len(t) for _, t in batch], np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
-        args, cu, rows_view = self._ragged(batch, rows)
-        logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
+        if has_media(batch):  # image rows and M-RoPE positions (executor/media_forward.py)
+            logits = self._cut(prefill_media(self, batch, rows))
+        else:
+            args, cu, rows_view = self._ragged(batch, rows)
+            logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
         if all_logits:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
@@ -237,7 +242,12 @@ class ModelRunner:
         # attention split count, which follows the width, is the same in both modes)
         bucket = page_width_bucket if self.device_kind == "cuda" else None
         args = self.inputs.decode(seqs, tokens, bucket)
-        if self.decode_graphs is not None:
+        rope = decode_rope_positions(seqs)  # cache position + rope delta after images
+        if rope is not None:
+            tokens_v, positions_v, pt_v, slots_v = args
+            out = self.vm["decode_mrope"](tokens_v, positions_v, self.inputs.tensor(rope), pt_v, slots_v,
+                                          *self._pools())
+        elif self.decode_graphs is not None:
             out = self.decode_graphs(args, self._pools())
         else:
             out = self.vm["decode"](*args, *self._pools())

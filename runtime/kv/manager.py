@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .host_tier import HostTier
 from .pages import PageAllocator, SlotAllocator
@@ -32,6 +32,7 @@ class SeqKV:
     pages: list = field(default_factory=list)
     length: int = 0
     uid: int = field(default_factory=lambda: next(_uids))
+    media: Any = None  # the request's images (runtime/vision/media.py): what the executor needs for their rows
 
 
 class KVManager:
