@@ -18,6 +18,7 @@ from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
+from .sampler_module import ABI_VERSION as SAMPLER_ABI_VERSION, add_device_sampler
 from .targets import TargetSpec, cuda_build_env, parse_target
 
 # --quant -> (activation dtype, weight format). nvfp4: decoder projections in NVFP4 (fused dequant),
@@ -64,6 +65,7 @@ def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, 
         h.update(b"mtp")
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
+    h.update((Path(__file__).parent.parent / "runtime" / "sampler_abi.py").read_bytes())  # the sampler's layout
     if target.kind == "cuda":  # schedule choices shape the CUDA library
         from .gpu_pipeline import SCHEDULE_DIR
 
@@ -108,6 +110,8 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
         model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
     mod, pspec = model.export_tvm(spec=model.export_spec())
+    with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
+        mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     cache = os.environ.get("NINFER_LIB_CACHE")
     key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
@@ -224,7 +228,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma)},
+                "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION},
     ))
     log(f"wrote {out}")
     return out
