@@ -3,14 +3,15 @@
   prep OUT [--arch sm_90]                                   (here: compiler + nvcc, no GPU)
       OUT/sampler_<V>.so   the sampler functions alone (compile/sampler_module.py) for cuda:ARCH, for
                            V = 248320 (Qwen3.5) and V = 4099 (not a multiple of 32 or of the block)
-  run OUT RESULT.json [--reps 20] [--draws 2000]           (GPU machine: runtime-only TVM + numpy)
+  run OUT RESULT.json [--reps 20] [--draws 800]            (GPU machine: runtime-only TVM + numpy; ~1 min)
       per vocabulary: DeviceSampler against runtime/sampling.py (the reference) on the same RowStates:
         greedy rows (ties, bias, repetition / frequency / presence penalties) must give identical tokens,
         seeded sampled rows (Qwen's preset with presence 1.0, top-p only, min-p, top-k only, plain) the same
         tokens in >= 99.5% of the draws (the same uniforms; only float rounding at a boundary may differ),
         logprobs (raw and processed) within 1e-4, bitmask rows never a masked token;
-      then the time per call at V = 248320, batch 1 and 8, greedy / preset / top-p only: the device sampler
-      (sample + the token copy back) against numpy on the host (copy of the [B, V] logits + Sampler.sample).
+      then the time per call at V = 248320, batch 1 and 8, greedy / preset / top-p only (LLM-like and flat
+      logits): the device sampler (sample + the token copy back) against numpy on the host (copy of the
+      [B, V] logits + Sampler.sample).
       Prints one JSON line per case and a table.
   emulate [--threads 1024]                                  (here, g++, no GPU)
       the generated CUDA of the sampler kernels run by the CPU emulator of bench/attn_gpu_check.py (a fiber
@@ -101,6 +102,9 @@ def random_inputs(rng, vocab: int, n: int, lanes: int, threads: int = 1024) -> d
     if n > 3:
         mask[3] = 0
         table[3, A.P_FLAGS] = int(table[3, A.P_FLAGS]) | A.F_MASK
+    if n > 5:  # top_p alone over nearly flat logits: the nucleus is wider than the probe
+        logits[5] *= 0.02
+        table[5, [A.P_TOP_K, A.P_TOP_P, A.P_MIN_P, A.P_TEMPERATURE]] = (0, 0.9, 0, 1.0)
     return dict(logits=logits, params=table, mask=mask, counts=counts, prompt=prompt, bias=bias)
 
 
@@ -151,7 +155,7 @@ def emulate_case(lib, vm, vocab: int, inputs: dict) -> dict:
                 want=ref[0].tolist())
 
 
-def run_emulation(threads: int = 1024, vocabs=(700, 2500), rows: int = 8, seeds=(0, 1), log=print) -> list[dict]:
+def run_emulation(threads: int = 1024, vocabs=(700, 2500), rows: int = 8, seeds=(0, 1, 2), log=print) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import attn_gpu_check
 
@@ -283,19 +287,33 @@ def correctness(tvm, vm, dev, vocab: int, draws: int, log) -> list[dict]:
     return rows_out
 
 
-def timing(tvm, vm, dev, vocab: int, reps: int, log) -> list[dict]:
+def llm_like_logits(rng, B: int, vocab: int) -> np.ndarray:
+    """N(0, 2^2) plus 12 on 50 random tokens per row: ~97% of the mass on those 50, as in a next-token
+    distribution (top-p 0.95 inside a few dozen tokens)."""
+    x = (rng.normal(size=(B, vocab)) * 2).astype(np.float32)
+    for b in range(B):
+        x[b, rng.choice(vocab, 50, replace=False)] += 12
+    return x
+
+
+def timing(tvm, vm, dev, vocab: int, reps: int, log, prompt_len: int = 4096, generated: int = 512) -> list[dict]:
+    """Median ms per call, batch 1 and 8: greedy, Qwen's preset, top-p 0.95 alone on LLM-like logits and on flat
+    N(0, 2.5^2) ones (nucleus wider than the select's probe); rows carry a prompt of prompt_len and
+    `generated` tokens (the penalties' state). numpy's time includes the copy of the [B, V] logits."""
     from ninfer_mlc.runtime.device_sampler import DeviceSampler
     from ninfer_mlc.runtime.sampling import Sampler
 
     out = []
-    cases = {"greedy": dict(temperature=0.0), "preset": QWEN_PRESET, "top_p": dict(top_p=0.95)}
+    cases = {"greedy": dict(temperature=0.0), "preset": QWEN_PRESET, "top_p": dict(top_p=0.95),
+             "top_p_flat": dict(top_p=0.95)}
     rng = np.random.default_rng(3)
     for B in (1, 8):
-        logits_np = (rng.normal(size=(B, vocab)) * 2.5).astype(np.float32)
-        logits = tvm.runtime.tensor(logits_np, dev)
+        peaked = tvm.runtime.tensor(llm_like_logits(rng, B, vocab), dev)
+        flat = tvm.runtime.tensor((rng.normal(size=(B, vocab)) * 2.5).astype(np.float32), dev)
         for name, params in cases.items():
+            logits = flat if name.endswith("flat") else peaked
             ds = DeviceSampler(tvm, vm, dev, vocab, B)
-            rows_d, rows_r = _rows(params, B, vocab, seed=B)
+            rows_d, rows_r = _rows(params, B, vocab, seed=B, prompt_len=prompt_len, generated=generated)
             for i, r in enumerate(rows_d):
                 ds.bind(i, r)
             ref = Sampler()
@@ -351,7 +369,7 @@ def cmd_run(a) -> int:
 def main(argv=None) -> int:
     ap, sub, p, r = gc.prep_run_parser(__doc__)
     r.add_argument("--reps", type=int, default=20)
-    r.add_argument("--draws", type=int, default=2000)
+    r.add_argument("--draws", type=int, default=800)
     e = sub.add_parser("emulate")
     e.add_argument("--threads", type=int, default=1024)
     a = ap.parse_args(argv)

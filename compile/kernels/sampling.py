@@ -214,43 +214,66 @@ def select(vocab: int):
         tokens = T.match_buffer(var_tokens, (n,), "int32")
         for r in T.parallel(n):
             hc = T.alloc_buffer((256,), "int32", scope="local")  # radix digit counts
+            h0 = T.alloc_buffer((256,), "int32", scope="local")  # the first level's, from the argmax pass
             hw = T.alloc_buffer((256,), "uint64", scope="local")  # radix digit weights
             cand = T.alloc_buffer((cap,), "int32", scope="local")  # gathered candidate ids, ascending
             ku = T.alloc_buffer((5,), "uint32", scope="local")  # best key, threshold, radix prefix, digit, key
-            # best id, count, rank left, done, drawn, id, ids to walk, gathered?
-            ki = T.alloc_buffer((8,), "int32", scope="local")
+            # best id, count, rank left, done, drawn, id, ids to walk, gathered?, unmasked count, total known?
+            ki = T.alloc_buffer((10,), "int32", scope="local")
             kw = T.alloc_buffer((6,), "uint64", scope="local")  # total, mass above, running, above(sel), weight, target
             kf = T.alloc_buffer((3,), "float32", scope="local")  # max logit, 1 / T, min_p
             kd = T.alloc_buffer((1,), "float64", scope="local")  # top_p mass limit
             pe = T.alloc_buffer((vocab,), "float32")  # probability of each walk position (one exp per id)
-            # argmax (lowest id on ties) and the number of unmasked tokens
+            # argmax (lowest id on ties), the number of unmasked tokens and, for sampled rows, the first radix
+            # level's histogram (top 8 key bits)
             ku[0] = u32(0)
             ki[0] = 0
             ki[1] = 0
-            for v in range(vocab):
-                if keys[r, v] > ku[0]:
-                    ku[0] = keys[r, v]
-                    ki[0] = v
-                if keys[r, v] > u32(0):
-                    ki[1] = ki[1] + 1
+            if params[r, P_TEMPERATURE] == T.float64(0):
+                for v in range(vocab):
+                    if keys[r, v] > ku[0]:
+                        ku[0] = keys[r, v]
+                        ki[0] = v
+                    if keys[r, v] > u32(0):
+                        ki[1] = ki[1] + 1
+            else:
+                for d in range(256):
+                    h0[d] = 0
+                for v in range(vocab):
+                    if keys[r, v] > ku[0]:
+                        ku[0] = keys[r, v]
+                        ki[0] = v
+                    if keys[r, v] > u32(0):
+                        ki[1] = ki[1] + 1
+                    h0[T.Cast("int32", keys[r, v] >> u32(24))] = h0[T.Cast("int32", keys[r, v] >> u32(24))] + 1
             if ku[0] == u32(0):
                 tokens[r] = -1  # every token masked
             elif params[r, P_TEMPERATURE] == T.float64(0) or ku[0] >= u32(KEY_POS_INF) or ku[0] <= u32(KEY_NEG_INF):
                 tokens[r] = ki[0]
             else:
+                ki[8] = ki[1]
+                ki[9] = 0
+                kf[0] = value_of(ku[0])
+                kf[1] = T.Cast("float32", T.float64(1) / params[r, P_TEMPERATURE])
+                kf[2] = T.Cast("float32", params[r, P_MIN_P])
                 ku[1] = u32(1)
-                if param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab:
-                    # radix select of the k-th largest key; ki[1] becomes count(key >= it)
+                # top_k: the k-th largest key. top_p alone: probe the cap-th largest instead; if the keys above it
+                # hold top_p of the mass, the nucleus is among them (any other key has at least that mass above)
+                if param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab \
+                        or params[r, P_TOP_P] < T.float64(1) and ki[8] > cap:
+                    # radix select; ki[1] becomes count(key >= it)
                     ku[2] = u32(0)
-                    ki[2] = param_int(params, r, P_TOP_K)
+                    ki[2] = T.Select(param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab,
+                                     param_int(params, r, P_TOP_K), cap)
                     ki[1] = 0
                     for level in range(4):
                         for d in range(256):
-                            hc[d] = 0
-                        for v in range(vocab):
-                            if keys[r, v] & level_mask(level) == ku[2]:
-                                ki[5] = T.Cast("int32", (keys[r, v] >> level_shift(level)) & u32(255))
-                                hc[ki[5]] = hc[ki[5]] + 1
+                            hc[d] = T.Select(level == 0, h0[d], 0)
+                        if level > 0:
+                            for v in range(vocab):
+                                if keys[r, v] & level_mask(level) == ku[2]:
+                                    ki[5] = T.Cast("int32", (keys[r, v] >> level_shift(level)) & u32(255))
+                                    hc[ki[5]] = hc[ki[5]] + 1
                         ki[3] = 0
                         for dd in range(256):
                             if ki[3] == 0:
@@ -263,6 +286,17 @@ def select(vocab: int):
                                     ki[2] = ki[2] - hc[255 - dd]
                                     ki[1] = ki[1] + hc[255 - dd]
                     ku[1] = ku[2]
+                    if not (param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab):
+                        kw[0] = T.uint64(0)  # the vocabulary's mass, and the probe's
+                        kw[1] = T.uint64(0)
+                        for v in range(vocab):
+                            kw[4] = weight_of(prob_of(keys[r, v], kf[0], kf[1]), bits)
+                            kw[0] = kw[0] + kw[4]
+                            kw[1] = kw[1] + T.Select(keys[r, v] >= ku[1], kw[4], T.uint64(0))
+                        ki[9] = 1
+                        if ki[1] > cap or T.Cast("float64", kw[1]) < params[r, P_TOP_P] * T.Cast("float64", kw[0]):
+                            ku[1] = u32(1)  # the probe failed: walk the vocabulary
+                            ki[1] = ki[8]
                 # gather the candidates when few (ascending ids); the passes below walk ki[6] ids
                 ki[6] = vocab
                 ki[7] = 0
@@ -273,14 +307,13 @@ def select(vocab: int):
                         if keys[r, v] >= ku[1]:
                             cand[ki[6]] = v
                             ki[6] = ki[6] + 1
-                kf[0] = value_of(ku[0])
-                kf[1] = T.Cast("float32", T.float64(1) / params[r, P_TEMPERATURE])
-                kf[2] = T.Cast("float32", params[r, P_MIN_P])
-                kw[0] = T.uint64(0)
+                if ki[9] == 0:
+                    kw[0] = T.uint64(0)
                 for j in range(ki[6]):
                     ki[5] = T.Select(ki[7] == 1, cand[T.min(j, cap - 1)], j)
                     pe[j] = T.Select(keys[r, ki[5]] >= ku[1], prob_of(keys[r, ki[5]], kf[0], kf[1]), T.float32(0))
-                    kw[0] = kw[0] + weight_of(pe[j], bits)
+                    if ki[9] == 0:
+                        kw[0] = kw[0] + weight_of(pe[j], bits)
                 if params[r, P_TOP_P] < T.float64(1):
                     # weighted radix select: the smallest key whose mass strictly above is < top_p * total
                     kd[0] = params[r, P_TOP_P] * T.Cast("float64", kw[0])

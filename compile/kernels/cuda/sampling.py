@@ -119,23 +119,28 @@ def _block_macros(NT: int):
             old[0] + T.Cast("uint32", w & T.uint64(FULL)) < old[0], u32(1), u32(0)))
 
     @T.macro
-    def hist_add(hc, hwl, hwh, valid, digit, w, lane):
-        """Warp-collective (every lane calls it): bin `digit` of the lanes with `valid` += 1 (and += w). The
-        lanes sharing lane 0's digit add through one atomic (a level's few hot bins would otherwise serialize
-        whole warps), the others one each."""
+    def hist_add(hc, hwl, hwh, valid, digit, w, lane, level):
+        """Warp-collective (every lane calls it): bin `digit` of the lanes with `valid` += 1 (and += w). At the
+        first radix level, where a row's keys fall into few bins (their sign and exponent), the lanes sharing
+        lane 0's digit add through one atomic; deeper levels spread over the bins and add directly."""
         agg = T.alloc_buffer((1,), "int32", scope="local")
         aggw = T.alloc_buffer((1,), "uint64", scope="local")
         d0 = _shfl(digit, 0)
-        agg[0] = T.Select(valid and digit == d0, 1, 0)
-        warp_allreduce(agg, _add)
-        if hwl is not None:
-            aggw[0] = T.Select(valid and digit == d0, w, T.uint64(0))
-            warp_allreduce(aggw, _add)
-        if lane == 0 and agg[0] > 0:
-            T.cuda.atomic_add(T.address_of(hc[d0]), agg[0])
+        if uniform(level == 0):
+            agg[0] = T.Select(valid and digit == d0, 1, 0)
+            warp_allreduce(agg, _add)
             if hwl is not None:
-                add_weight(hwl, hwh, d0, aggw[0])
-        if valid and digit != d0:
+                aggw[0] = T.Select(valid and digit == d0, w, T.uint64(0))
+                warp_allreduce(aggw, _add)
+            if lane == 0 and agg[0] > 0:
+                T.cuda.atomic_add(T.address_of(hc[d0]), agg[0])
+                if hwl is not None:
+                    add_weight(hwl, hwh, d0, aggw[0])
+            if valid and digit != d0:
+                T.cuda.atomic_add(T.address_of(hc[digit]), 1)
+                if hwl is not None:
+                    add_weight(hwl, hwh, digit, w)
+        elif valid:
             T.cuda.atomic_add(T.address_of(hc[digit]), 1)
             if hwl is not None:
                 add_weight(hwl, hwh, digit, w)
@@ -159,7 +164,7 @@ def _block_macros(NT: int):
                 key = kf(T.min(i * NT + tx, ext - 1))
                 hist_add(hc, None, None, i * NT + tx < ext and ok(T.min(i * NT + tx, ext - 1))
                          and key & level_mask(level) == T.Cast("uint32", cur[0]),
-                         T.Cast("int32", (key >> level_shift(level)) & u32(255)), T.uint64(0), tx % 32)
+                         T.Cast("int32", (key >> level_shift(level)) & u32(255)), T.uint64(0), tx % 32, level)
             T.tvm_storage_sync("shared")
             if tx < 32:  # warp 0: lane l owns digits 255 - 8l .. 248 - 8l
                 hl = T.alloc_buffer((8,), "int64", scope="local")
@@ -242,6 +247,8 @@ def select(vocab: int, threads: int = 1024):
                 acc = T.alloc_buffer((1,), "uint64", scope="local")
                 cnt = T.alloc_buffer((1,), "uint64", scope="local")
                 thr = T.alloc_buffer((1,), "uint32", scope="local")  # kept: key >= thr
+                probe = T.alloc_buffer((1,), "uint64", scope="local")  # count(key >= thr) after the radix select
+                known = T.alloc_buffer((1,), "int32", scope="local")  # acc holds the top_p reference mass
                 walk = T.alloc_buffer((2,), "int32", scope="local")  # ids to walk (candidates or vocab), gathered?
                 vid = T.alloc_buffer((1,), "int32", scope="local")  # the id at walk position j
                 pair = T.alloc_buffer((2,), "int32", scope="local")
@@ -269,12 +276,36 @@ def select(vocab: int, threads: int = 1024):
                         tokens[r] = T.Cast("int32", u32(FULL) - T.Cast("uint32", acc[0] & T.uint64(FULL)))
                 else:
                     k = param_int(params, r, P_TOP_K)
+                    m = value_of(best)
+                    inv_t = T.Cast("float32", T.float64(1) / t)
                     thr[0] = u32(1)
-                    if uniform(k > 0 and k < vocab):
-                        M.radix_kth(lambda j: keys[r, j], lambda j: T.bool(True), vocab, k, hc, st, tx)
+                    known[0] = 0
+                    # top_k: the k-th largest key. top_p alone: probe the NT-th largest instead; if the keys above
+                    # it hold top_p of the mass, the nucleus is among them (any other key has that mass above)
+                    if uniform(k > 0 and k < vocab or params[r, P_TOP_P] < T.float64(1) and cnt[0] > T.uint64(NT)):
+                        M.radix_kth(lambda j: keys[r, j], lambda j: T.bool(True), vocab,
+                                    T.Select(k > 0 and k < vocab, k, NT), hc, st, tx)
                         thr[0] = T.Cast("uint32", st[0])
-                        cnt[0] = T.Cast("uint64", st[1] + st[2])
+                        probe[0] = T.Cast("uint64", st[1] + st[2])
                         T.tvm_storage_sync("shared")
+                        if uniform(not (k > 0 and k < vocab)):
+                            acc[0] = T.uint64(0)  # the vocabulary's mass, and the probe's
+                            wsum[0] = T.uint64(0)
+                            for i in range((vocab + NT - 1) // NT):
+                                if i * NT + tx < vocab:
+                                    key = keys[r, i * NT + tx]
+                                    w = weight_of(prob_of(key, m, inv_t), bits)
+                                    acc[0] = acc[0] + w
+                                    if key >= thr[0]:
+                                        wsum[0] = wsum[0] + w
+                            M.block_allreduce(acc, red, _add, tx)
+                            M.block_allreduce(wsum, red, _add, tx)
+                            known[0] = 1
+                            if probe[0] > T.uint64(NT) or \
+                                    T.Cast("float64", wsum[0]) < params[r, P_TOP_P] * T.Cast("float64", acc[0]):
+                                thr[0] = u32(1)  # the probe failed: walk the vocabulary
+                                probe[0] = cnt[0]
+                        cnt[0] = probe[0]
                     walk[0] = vocab
                     walk[1] = 0
                     if uniform(cnt[0] <= T.uint64(NT)):
@@ -301,15 +332,14 @@ def select(vocab: int, threads: int = 1024):
                                 T.tvm_storage_sync("shared")
                         walk[0] = T.Cast("int32", cnt[0])
                         walk[1] = 1
-                    m = value_of(best)
-                    inv_t = T.Cast("float32", T.float64(1) / t)
-                    acc[0] = T.uint64(0)
-                    for i in range((walk[0] + NT - 1) // NT):
-                        if i * NT + tx < walk[0]:
-                            vid[0] = walk_id(walk, cand, i * NT + tx)
-                            if keys[r, vid[0]] >= thr[0]:
-                                acc[0] = acc[0] + weight_of(prob_of(keys[r, vid[0]], m, inv_t), bits)
-                    M.block_allreduce(acc, red, _add, tx)
+                    if uniform(known[0] == 0):
+                        acc[0] = T.uint64(0)
+                        for i in range((walk[0] + NT - 1) // NT):
+                            if i * NT + tx < walk[0]:
+                                vid[0] = walk_id(walk, cand, i * NT + tx)
+                                if keys[r, vid[0]] >= thr[0]:
+                                    acc[0] = acc[0] + weight_of(prob_of(keys[r, vid[0]], m, inv_t), bits)
+                        M.block_allreduce(acc, red, _add, tx)
                     if uniform(params[r, P_TOP_P] < T.float64(1)):
                         # weighted radix select: the smallest key whose mass strictly above is < top_p * total
                         lim = params[r, P_TOP_P] * T.Cast("float64", acc[0])
@@ -326,7 +356,8 @@ def select(vocab: int, threads: int = 1024):
                                 w = weight_of(prob_of(key, m, inv_t), bits)
                                 M.hist_add(hc, hwl, hwh, i * NT + tx < walk[0] and key >= thr[0] and w > T.uint64(0)
                                            and key & level_mask(level) == T.Cast("uint32", cur[0]),
-                                           T.Cast("int32", (key >> level_shift(level)) & u32(255)), w, tx % 32)
+                                           T.Cast("int32", (key >> level_shift(level)) & u32(255)), w, tx % 32,
+                                           level)
                             T.tvm_storage_sync("shared")
                             if tx < 32:  # warp 0: lane l owns digits 255 - 8l .. 248 - 8l
                                 hl = T.alloc_buffer((8,), "int32", scope="local")
