@@ -229,22 +229,15 @@ def select(vocab: int):
             ku[0] = u32(0)
             ki[0] = 0
             ki[1] = 0
-            if params[r, P_TEMPERATURE] == T.float64(0):
-                for v in range(vocab):
-                    if keys[r, v] > ku[0]:
-                        ku[0] = keys[r, v]
-                        ki[0] = v
-                    if keys[r, v] > u32(0):
-                        ki[1] = ki[1] + 1
-            else:
-                for d in range(256):
-                    h0[d] = 0
-                for v in range(vocab):
-                    if keys[r, v] > ku[0]:
-                        ku[0] = keys[r, v]
-                        ki[0] = v
-                    if keys[r, v] > u32(0):
-                        ki[1] = ki[1] + 1
+            for d in range(256):
+                h0[d] = 0
+            for v in range(vocab):
+                if keys[r, v] > ku[0]:
+                    ku[0] = keys[r, v]
+                    ki[0] = v
+                if keys[r, v] > u32(0):
+                    ki[1] = ki[1] + 1
+                if params[r, P_TEMPERATURE] != T.float64(0):  # loop-invariant: unswitched
                     h0[T.Cast("int32", keys[r, v] >> u32(24))] = h0[T.Cast("int32", keys[r, v] >> u32(24))] + 1
             if ku[0] == u32(0):
                 tokens[r] = -1  # every token masked
