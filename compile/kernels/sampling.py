@@ -2,7 +2,7 @@
 
 The semantics are runtime/sampling.py's (the reference), computed where the logits are so only token ids
 and requested logprobs leave the device. The calling convention (row-parameter table, flags, per-lane
-penalty buffers) is runtime/sampler_abi.py. Four prim_funcs:
+penalty buffers) is runtime/sampler_abi.py. The prim_funcs:
 
   process(logits[n, V] f32, params[n, P] f64, mask[n, W] i32, counts[L, V] i32, prompt[L, W] i32,
           bias[L, V] f32, keys[n, V] u32)
@@ -17,7 +17,9 @@ penalty buffers) is runtime/sampler_abi.py. Four prim_funcs:
       min_p: e >= min_p (p >= min_p * p_max of the renormalised distribution, p_max being e = 1);
       one inverse-CDF draw: the first kept id (ascending) whose inclusive prefix mass exceeds
       floor(u * total). After top_k the <= CAND_CAP candidates are gathered first, so the later passes
-      run over them instead of the vocabulary.
+      run over them instead of the vocabulary. top_p alone first probes the CAND_CAP largest keys: when
+      they hold top_p of the mass the nucleus is among them (every other key has at least that mass
+      above it), otherwise the passes walk the vocabulary.
   logprobs(logits, keys, params, tokens, token_lp[n] f32, rank[n] i32, top_ids[n, K] i32, top_lp[n, K] f32)
       log-softmax of the raw logits (or, with F_LP_PROCESSED, of the processed ones / temperature): the
       sampled token's logprob and rank, and the K most likely (ties -> lower id). Rows without F_LOGPROBS
@@ -110,27 +112,6 @@ def seen(prompt, counts, lane, v):
 
 def masked(params, mask, r, v):
     return T.And(has_flag(params, r, F_MASK), T.Not(bit_set(mask, r, v)))
-
-
-def process_elem_macro(fdiv, dmul):
-    """The CUDA process kernel's element code (fdiv / dmul: rounding-exact intrinsics)."""
-
-    @T.macro
-    def process_elem(logits, params, mask, counts, prompt, bias, keys, r, v, x):
-        """x: a float32 local scratch [1]."""
-        x[0] = logits[r, v]
-        if has_flag(params, r, F_BIAS):
-            x[0] = x[0] + bias[param_int(params, r, P_LANE), v]
-        if has_flag(params, r, F_REPETITION):
-            if seen(prompt, counts, param_int(params, r, P_LANE), v):
-                x[0] = repetition_penalized(x[0], params[r, P_REPETITION], fdiv)
-        if has_flag(params, r, F_FREQ_PRES):
-            if counts[param_int(params, r, P_LANE), v] > 0:
-                x[0] = count_penalized(x[0], counts[param_int(params, r, P_LANE), v], params[r, P_FREQUENCY],
-                                       params[r, P_PRESENCE], dmul)
-        keys[r, v] = T.Select(masked(params, mask, r, v), u32(0), key_of(x[0]))
-
-    return process_elem
 
 
 @T.macro

@@ -22,11 +22,12 @@ from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
-from ....runtime.sampler_abi import (F_LOGPROBS, F_LP_PROCESSED, KEY_NEG_INF, KEY_POS_INF, NUM_PARAMS, P_MIN_P,
+from ....runtime.sampler_abi import (F_BIAS, F_FREQ_PRES, F_LOGPROBS, F_LP_PROCESSED, F_REPETITION, KEY_NEG_INF,
+                                     KEY_POS_INF, NUM_PARAMS, P_FREQUENCY, P_LANE, P_MIN_P, P_PRESENCE, P_REPETITION,
                                      P_TEMPERATURE, P_TOP_K, P_TOP_P, P_UNIFORM, mask_words, top_logprob_slots,
                                      weight_bits)
-from ..sampling import (append_rows, has_flag, level_mask, level_shift, param_int, process_elem_macro, prob_of,
-                        src_key, u32, value_of, weight_of)
+from ..sampling import (append_rows, count_penalized, has_flag, key_of, level_mask, level_shift, masked, param_int,
+                        prob_of, repetition_penalized, seen, src_key, u32, value_of, weight_of)
 
 FULL = 0xFFFFFFFF
 
@@ -57,6 +58,27 @@ def _max(a, b):
 
 def _min(a, b):
     return T.min(a, b)
+
+
+def _process_elem_macro(fdiv, dmul):
+    """The process kernel's element code (fdiv / dmul: rounding-exact intrinsics)."""
+
+    @T.macro
+    def process_elem(logits, params, mask, counts, prompt, bias, keys, r, v, x):
+        """x: a float32 local scratch [1]."""
+        x[0] = logits[r, v]
+        if has_flag(params, r, F_BIAS):
+            x[0] = x[0] + bias[param_int(params, r, P_LANE), v]
+        if has_flag(params, r, F_REPETITION):
+            if seen(prompt, counts, param_int(params, r, P_LANE), v):
+                x[0] = repetition_penalized(x[0], params[r, P_REPETITION], fdiv)
+        if has_flag(params, r, F_FREQ_PRES):
+            if counts[param_int(params, r, P_LANE), v] > 0:
+                x[0] = count_penalized(x[0], counts[param_int(params, r, P_LANE), v], params[r, P_FREQUENCY],
+                                       params[r, P_PRESENCE], dmul)
+        keys[r, v] = T.Select(masked(params, mask, r, v), u32(0), key_of(x[0]))
+
+    return process_elem
 
 
 def uniform(cond):
@@ -191,7 +213,7 @@ def _block_macros(NT: int):
 
 def process(vocab: int, threads: int = 256):
     W = mask_words(vocab)
-    elem = process_elem_macro(_fdiv_rn, _dmul_rn)
+    elem = _process_elem_macro(_fdiv_rn, _dmul_rn)
     NB = (vocab + threads - 1) // threads
 
     @T.prim_func
