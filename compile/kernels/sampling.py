@@ -38,6 +38,8 @@ from ...runtime.sampler_abi import (F_APPEND, F_BIAS, F_FREQ_PRES, F_LOGPROBS, F
                                     top_logprob_slots, weight_bits)
 
 CAND_CAP = 1024  # candidates gathered after top_k (more, e.g. massive ties: the passes stay on the vocabulary)
+SMALL_K = 64  # top_k up to this: one scan keeping the k largest keys instead of the radix select (llvm)
+CHUNK = 64  # the scan skips chunks of keys whose max (a vectorised reduction) cannot enter the list
 
 
 # ---- expressions shared with the CUDA kernels ------------------------------------------------------------
@@ -115,6 +117,35 @@ def masked(params, mask, r, v):
 
 
 @T.macro
+def chunk_max_into(dst, keys, r, c, vocab: int):
+    """dst[0] = max of keys[r, c*CHUNK : (c+1)*CHUNK] (the tail clamped to the last key)."""
+    dst[0] = u32(0)
+    for i in range(CHUNK):
+        dst[0] = T.max(dst[0], keys[r, T.min(c * CHUNK + i, vocab - 1)])
+
+
+@T.macro
+def top_insert(tk, ti, st, key, v, k, cap: int):
+    """Keep tk[:k] (cap >= k slots) the k largest keys seen so far, descending; an equal key never displaces an
+    earlier one (ids ascend in the scan: ties go to the lower id). ti: their ids (or None); st: int32 [2]
+    local (filled slots, insert position). Few keys are inserted after the first k: the scan stays cheap."""
+    if st[0] < k or key > tk[k - 1]:
+        st[1] = 0
+        for j in range(cap):
+            if j < st[0] and tk[j] >= key:
+                st[1] = st[1] + 1
+        for jj in range(cap - 1):
+            if cap - 1 - jj > st[1] and cap - 1 - jj <= st[0] and cap - 1 - jj < k:
+                tk[cap - 1 - jj] = tk[cap - 2 - jj]
+                if ti is not None:
+                    ti[cap - 1 - jj] = ti[cap - 2 - jj]
+        tk[st[1]] = key
+        if ti is not None:
+            ti[st[1]] = v
+        st[0] = T.min(st[0] + 1, k)
+
+
+@T.macro
 def append_rows(n, tokens, params, counts):
     """counts[lane, token] += 1 for rows with F_APPEND, one row after the other (lanes may repeat)."""
     for r in range(n):
@@ -184,6 +215,13 @@ def select(vocab: int):
     bits = weight_bits(vocab)
     cap = min(CAND_CAP, vocab)
 
+    chunks = (vocab + CHUNK - 1) // CHUNK
+
+    def small_k(params, r):
+        """top_k on and at most SMALL_K (and below the vocabulary)."""
+        k = param_int(params, r, P_TOP_K)
+        return T.And(k > 0, T.And(k <= SMALL_K, k < vocab))
+
     # (TVM's llvm backend allocates an assigned scalar where it is declared: no assignments inside loops,
     # per-element values go through the row's scratch buffers)
     @T.prim_func
@@ -205,6 +243,9 @@ def select(vocab: int):
             kf = T.alloc_buffer((3,), "float32", scope="local")  # max logit, 1 / T, min_p
             kd = T.alloc_buffer((1,), "float64", scope="local")  # top_p mass limit
             pe = T.alloc_buffer((vocab,), "float32")  # probability of each walk position (one exp per id)
+            tk = T.alloc_buffer((SMALL_K,), "uint32", scope="local")  # the k largest keys (small top_k)
+            ks = T.alloc_buffer((2,), "int32", scope="local")
+            cm = T.alloc_buffer((1,), "uint32", scope="local")  # a chunk's max key
             # argmax (lowest id on ties), the number of unmasked tokens and, for sampled rows, the first radix
             # level's histogram (top 8 key bits)
             ku[0] = u32(0)
@@ -218,7 +259,7 @@ def select(vocab: int):
                     ki[0] = v
                 if keys[r, v] > u32(0):
                     ki[1] = ki[1] + 1
-                if params[r, P_TEMPERATURE] != T.float64(0):  # loop-invariant: unswitched
+                if params[r, P_TEMPERATURE] != T.float64(0) and not small_k(params, r):  # loop-invariant
                     h0[T.Cast("int32", keys[r, v] >> u32(24))] = h0[T.Cast("int32", keys[r, v] >> u32(24))] + 1
             if ku[0] == u32(0):
                 tokens[r] = -1  # every token masked
@@ -231,9 +272,21 @@ def select(vocab: int):
                 kf[1] = T.Cast("float32", T.float64(1) / params[r, P_TEMPERATURE])
                 kf[2] = T.Cast("float32", params[r, P_MIN_P])
                 ku[1] = u32(1)
+                if small_k(params, r):
+                    # the k largest keys in one scan; how many keys reach the k-th is counted by the gather
+                    ks[0] = 0
+                    for c in range(chunks):
+                        chunk_max_into(cm, keys, r, c, vocab)
+                        if ks[0] < param_int(params, r, P_TOP_K) or cm[0] > tk[param_int(params, r, P_TOP_K) - 1]:
+                            for i in range(CHUNK):
+                                if c * CHUNK + i < vocab:
+                                    top_insert(tk, None, ks, keys[r, c * CHUNK + i], c * CHUNK + i,
+                                               param_int(params, r, P_TOP_K), SMALL_K)
+                    ku[1] = tk[param_int(params, r, P_TOP_K) - 1]
+                    ki[1] = cap
                 # top_k: the k-th largest key. top_p alone: probe the cap-th largest instead; if the keys above it
                 # hold top_p of the mass, the nucleus is among them (any other key has at least that mass above)
-                if param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab \
+                elif param_int(params, r, P_TOP_K) > 0 and param_int(params, r, P_TOP_K) < vocab \
                         or params[r, P_TOP_P] < T.float64(1) and ki[8] > cap:
                     # radix select; ki[1] becomes count(key >= it)
                     ku[2] = u32(0)
@@ -279,8 +332,11 @@ def select(vocab: int):
                     ki[7] = 1
                     for v in range(vocab):
                         if keys[r, v] >= ku[1]:
-                            cand[ki[6]] = v
+                            cand[T.min(ki[6], cap - 1)] = v
                             ki[6] = ki[6] + 1
+                    if ki[6] > cap:  # more ties than slots (small-k scan): walk the vocabulary
+                        ki[6] = vocab
+                        ki[7] = 0
                 if ki[9] == 0:
                     kw[0] = T.uint64(0)
                 for j in range(ki[6]):
