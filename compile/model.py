@@ -14,6 +14,8 @@ Speculative decoding (final hidden states are post-norm, fp32):
       -> (logits[n,V], hidden_out[n,D], mtp_kv_pool)
   mtp_prefill(..., logit_rows[r], mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
   mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
+The builder adds the device sampler's functions (sample, sampler_counts_add: compile/sampler_module.py), which
+take the logits these functions return.
 
 Parameter names follow transformers (model.layers.{i}.linear_attn.conv1d.weight ...), except that
 projections reading the same input are fused (FUSED_PROJECTIONS: gate_up_proj, qkv_proj,
