@@ -5,7 +5,7 @@ timed exactly as bench/sampler_gpu_check.py times the CUDA build on the GPU (its
 greedy / Qwen's preset (T 0.6, top-p 0.95, top-k 20, presence 1.0) / top-p 0.95 alone on LLM-like logits
 (N(0, 2^2) + 12 on 50 tokens) and on flat N(0, 2.5^2) ones, rows with a 4096-token prompt and 512 generated
 tokens. "device" is DeviceSampler.sample (the llvm kernels on the CPU, the token ids back), "numpy" is
-Sampler.sample on the logits copied out of the tensor.
+Sampler.sample on the logits copied out of the tensor. Median and min per case (min: this machine is shared).
 
 Usage: python bench/sampler_bench.py [--out sampler_bench.json] [--vocab 248320] [--reps 7]
 """
@@ -41,9 +41,10 @@ def main(argv=None) -> int:
     res = {"vocab": a.vocab, "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
            "tvm_num_threads": os.environ.get("TVM_NUM_THREADS"), "build_s": round(build_s, 1), "cases": rows}
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(f"{'case':10s} {'B':>2s} {'device ms':>10s} {'numpy ms':>9s}")
+    print(f"{'case':10s} {'B':>2s} {'device ms (min)':>16s} {'numpy ms (min)':>16s}")
     for r in rows:
-        print(f"{r['case']:10s} {r['batch']:2d} {r['device_ms']:10.2f} {r['numpy_ms']:9.2f}")
+        print(f"{r['case']:10s} {r['batch']:2d} {r['device_ms']:8.2f} ({r['device_min_ms']:5.2f}) "
+              f"{r['numpy_ms']:8.2f} ({r['numpy_min_ms']:5.2f})")
     return 0
 
 
