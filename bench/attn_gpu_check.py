@@ -1087,7 +1087,8 @@ def cuda_source(funcs: dict, arch: str = "sm_90", cse: bool = True):
 class EmuLib:
     """A g++-built CPU emulation of the CUDA kernels of some prim_funcs (see the module docstring)."""
 
-    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None):
+    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None, extra_prelude: str = ""):
+        """extra_prelude: C++ emulating device helpers other kernels call (atomics, intrinsics)."""
         src, host = cuda_source(funcs, arch, cse=False)  # CSE off: kernel scalars are the named shape vars
         self.launches = self._parse_host(host, list(funcs))
         body = src[src.index('extern "C"'):]
@@ -1112,7 +1113,7 @@ class EmuLib:
             cargs = ", ".join(f"({t})a[{i}]" if t.endswith("*") else f"({t})s[{i}]" for i, (t, _) in enumerate(plist))
             wrappers.append(f'extern "C" void emu_{name}(void** a, const int64_t* s, int gx, int gy, int gz, int bx) '
                             f'{{ emu_launch(gx, gy, gz, bx, [=] {{ {name}({cargs}); }}); }}')
-        code = _EMU_PRELUDE + "\n" + body + "\n" + "\n".join(wrappers) + "\n"
+        code = _EMU_PRELUDE + "\n" + extra_prelude + "\n" + body + "\n" + "\n".join(wrappers) + "\n"
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="attn_emu_"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "emu.cpp").write_text(code)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec vision sass hf serve agent
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check bench spec vision sass hf serve agent
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -30,6 +30,7 @@ for step in "$@"; do
     attn) [ -d .gpu/attn ] && run attn 150 python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ;;
     gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
+    sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;

@@ -12,7 +12,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..contract import safetensors_io
+from ..contract import safetensors_io, sampler_abi
 from ..contract.manifest import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
@@ -20,7 +20,8 @@ from .lib_build import build_cached
 from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
-from .targets import TargetSpec, parse_target
+from .sampler_module import ABI_VERSION as SAMPLER_ABI_VERSION, add_device_sampler
+from .targets import TargetSpec, cuda_build_env, parse_target
 from .vision_build import compile_vision, has_vision_weights
 from .vision_config import load_vision_config
 
@@ -69,6 +70,7 @@ def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, 
         h.update(b"mtp")
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
+    h.update(Path(sampler_abi.__file__).read_bytes())  # the sampler's layout is part of the library
     if target.kind == "cuda":  # schedule choices shape the CUDA library
         from .gpu_pipeline import SCHEDULE_DIR
 
@@ -113,6 +115,8 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
         model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
                                   multimodal=multimodal)
     mod, pspec = model.export_tvm(spec=model.export_spec())
+    with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
+        mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
            + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
@@ -238,7 +242,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma),
+                "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION,
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
                 **({"vision": vision_section} if vision_section else {})},
     ))

@@ -19,6 +19,8 @@ Images (multimodal=True, Qwen3_5ForConditionalGeneration checkpoints):
              image_embeds[m,D] f32, row_src[n], pools...) -> (logits[r,V], pools...)
   decode_mrope(tokens[b], positions[b], rope_positions[b], page_table, slot_ids, pools...) -> (logits[b,V], ...)
   (positions = cache slots / causal order; rope_positions = what RoPE rotates by, M-RoPE per token)
+The builder adds the device sampler's functions (sample, sampler_counts_add: compile/sampler_module.py), which
+take the logits these functions return.
 
 Parameter names follow transformers (model.layers.{i}.linear_attn.conv1d.weight ...), except that
 projections reading the same input are fused (FUSED_PROJECTIONS: gate_up_proj, qkv_proj,

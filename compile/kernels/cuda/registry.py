@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, norm
+from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, norm, sampling
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -34,6 +34,8 @@ DEFAULT_KERNELS = {
     # prefill GEMM (gemm_sm90.py, sm_90 only): tile columns, cp.async ring depth, grouped tile order, and
     # the row count up to which a call runs the decode GEMV's launch instead
     "gemm": {"bn": 256, "stages": 4, "group_m": 8, "small_rows": 32},
+    # device sampler (sampling.py): threads of the per-row select / logprobs blocks, of the process launch
+    "sampler": {"threads": 1024, "process_threads": 256},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",)}
@@ -103,6 +105,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         gdn_gated_norm=gdn_prep.gdn_gated_norm,
         # gemm(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None: prefill projections
         # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
+        # sampler(vocab) -> process / select / logprobs / append / counts_add (the llvm set's contract)
+        sampler=partial(sampling.sampler_kernels, **p["sampler"]),
         gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
         if arch in ARCH_ONLY["gemm"] else None,
     )
