@@ -30,6 +30,9 @@ class EngineConfig:
                                     metavar="TOKENS|auto",
                                     default_text="auto on CUDA, max-context x max-concurrency on the CPU")
     cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
+    device_sampling: str = _f("auto", "sample decode rows inside the library (only token ids cross to the host): "
+                                      "auto = on CUDA when the library carries the sampler, on / off",
+                              choices=("auto", "on", "off"))
     vision: str = _f("auto", "where the vision tower of an image-capable model runs: auto (the model's device), "
                              "cpu (host cores, weights in host RAM, device memory left to KV) or off (images refused)",
                      choices=("auto", "cpu", "off"))
@@ -74,6 +77,8 @@ class EngineConfig:
 
         need(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
         need(self.vision in ("auto", "cpu", "off"), "vision", f"must be auto, cpu or off, got {self.vision!r}")
+        need(self.device_sampling in ("auto", "on", "off"), "device_sampling",
+             f"must be auto, on or off, got {self.device_sampling!r}")
         if self.kv_capacity is not None and str(self.kv_capacity) != "auto":
             try:
                 cap = int(str(self.kv_capacity))

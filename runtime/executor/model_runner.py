@@ -234,8 +234,9 @@ class ModelRunner:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
 
-    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int]) -> np.ndarray:
-        """One token per sequence at its length; returns logits [B, V]."""
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], on_device: bool = False):
+        """One token per sequence at its length; returns logits [B, V] (on_device: the library's output
+        tensor, uncut, for the device sampler; valid until the next decode call)."""
         self._check_room(seqs, [1] * len(seqs))
         self._check_tokens([tokens])
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
@@ -251,7 +252,7 @@ class ModelRunner:
             out = self.decode_graphs(args, self._pools())
         else:
             out = self.vm["decode"](*args, *self._pools())
-        return self._cut(out[0].numpy())
+        return out[0] if on_device else self._cut(out[0].numpy())
 
     # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
     # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
