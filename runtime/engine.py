@@ -41,7 +41,15 @@ class QueueTimeout(EngineError):
 
 
 class ContextTooLong(EngineError):
+    """The prompt does not fit. ``prompt_tokens`` / ``max_tokens`` (the most prompt tokens this
+    server takes) let the HTTP layer word it the way each API does."""
+
     status, code = 400, "context_length_exceeded"
+
+    def __init__(self, message: str, prompt_tokens: Optional[int] = None, max_tokens: Optional[int] = None):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
 
 
 class EngineStopped(EngineError):
@@ -300,10 +308,11 @@ class Engine:
             raise EngineStopped("engine is not running")
         n = len(req.prompt_ids)
         if n == 0:
-            raise ContextTooLong("the prompt is empty")
+            raise ContextTooLong("the prompt is empty", 0, self.opt.max_context - 1)
         if n >= self.opt.max_context:
             raise ContextTooLong(
-                f"prompt has {n} tokens; the maximum context is {self.opt.max_context} tokens (--max-context)")
+                f"prompt has {n} tokens; the maximum context is {self.opt.max_context} tokens (--max-context)",
+                n, self.opt.max_context - 1)
         room = self.opt.max_context - n
         mt = req.params.max_tokens or self.opt.default_max_tokens
         max_tokens = max(1, min(mt, room))
@@ -392,7 +401,9 @@ class Engine:
             if need > self.runner.pages.num_pages:
                 with self._lock:
                     self._pending.popleft()
-                a.handle._admit(ContextTooLong(f"prompt needs {need} KV pages; the pool has {self.runner.pages.num_pages}"))
+                a.handle._admit(ContextTooLong(
+                    f"prompt needs {need} KV pages; the pool has {self.runner.pages.num_pages}",
+                    len(a.req.prompt_ids), self.runner.pages.num_pages * self.runner.pages.page_size - 1))
                 continue
             if not self.kv.make_room(slots=1):
                 return  # wait for running requests to release a state slot

@@ -298,10 +298,11 @@ def test_anthropic_request_conversion():
     ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "thinking.budget_tokens"),
     ({"tool_choice": {"type": "any"}}, "tool_choice.type"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": {}}}}, "output_config.format"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "full"}}, "thinking.display"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"output_config": {"format": {"type": "text"}}}, "output_config.format"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": 3}}, "thinking.display"),
 ])
 def test_anthropic_request_errors_name_the_field(patch, param):
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **patch}
@@ -313,7 +314,7 @@ def test_anthropic_request_errors_name_the_field(patch, param):
 @pytest.mark.parametrize("patch,param", [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools[0].function.strict"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type"),

@@ -3,10 +3,18 @@
 Any ``model`` name is accepted (clients such as Claude Code send their own model names); the
 response echoes it. Claude Code's per-request ``x-anthropic-billing-header`` system block is
 dropped so it does not change the prompt on every call.
+
+Every field value the real API documents is accepted; what has no meaning for a local model
+(``cache_control``, ``context_management``, tool ``strict`` / ``input_examples``, server tools)
+is ignored, never answered with a 400. A request without ``thinking`` does not think, as with
+the real API, unless the server runs with ``--messages-thinking-default on`` (then the server's
+template default, ``--no-thinking``, decides). ``role: "system"`` messages inside ``messages``
+are folded into the adjacent user turn (server/system_fold.py).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any, Optional
 
@@ -16,11 +24,12 @@ from starlette.responses import JSONResponse, Response
 from ..tool_calls import anthropic_tool_id
 from . import generation as gen
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, type_name
+from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, object_items, read_json, type_name
 from .generation import ChatInputs, ChatStream, Done, Out
 from .sse import SSEResponse, sse_event
 
 router = APIRouter()
+log = logging.getLogger("ninfer.server")
 
 _BILLING_PREFIX = "x-anthropic-billing-header"
 _MIN_THINKING_BUDGET = 1024
@@ -28,6 +37,12 @@ _MIN_THINKING_BUDGET = 1024
 
 def _state(request: Request):
     return request.app.state.ninfer
+
+
+def _default_thinking(state) -> Optional[bool]:
+    """enable_thinking for a request without ``thinking``: off (the real API), or the server's
+    template default with --messages-thinking-default on."""
+    return None if getattr(state.config, "messages_thinking_default", False) else False
 
 
 # ---- request parsing ----------------------------------------------------------------------
@@ -61,6 +76,8 @@ def _tool_result_text(content: Any, p: str) -> str:
         elif b["type"] in ("image", "document"):
             # tool output the client cannot shape (screenshots...): say so instead of failing the turn
             parts.append(f"[{b['type']} omitted: this model reads text only]")
+        elif b["type"] == "tool_reference":  # tool search result: the named deferred tool is now loaded
+            parts.append(f"Tool loaded: {b.get('tool_name')}")
         else:
             raise bad_request(f"{p}[{j}]: tool_result content type {b['type']!r} is not supported",
                               param=f"{p}[{j}].type")
@@ -72,11 +89,15 @@ def parse_system(raw: Any) -> Optional[str]:
         return None
     if isinstance(raw, str):
         return raw
+    return _system_text(_blocks(raw, "system"), "system")
+
+
+def _system_text(blocks: list[dict], p: str) -> str:
     parts = []
-    for j, b in enumerate(_blocks(raw, "system")):
+    for j, b in enumerate(blocks):
         if b["type"] != "text":
-            raise bad_request(f"system[{j}].type must be 'text'", param=f"system[{j}].type")
-        text = _block_text(b, f"system[{j}]")
+            raise bad_request(f"{p}[{j}].type must be 'text'", param=f"{p}[{j}].type")
+        text = _block_text(b, f"{p}[{j}]")
         if text.startswith(_BILLING_PREFIX):
             continue  # Claude Code attribution header: differs per request, would defeat prefix reuse
         parts.append(text)
@@ -94,10 +115,12 @@ def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_request(f"{p} must be an object", param=p)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{p}.role must be 'user' or 'assistant', got {role!r}", param=f"{p}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{p}.role must be 'user', 'assistant' or 'system', got {role!r}", param=f"{p}.role")
         blocks = _blocks(m.get("content"), f"{p}.content")
-        if role == "user":
+        if role == "system":  # folded into the adjacent user turn when the prompt is rendered
+            out.append({"role": "system", "content": _system_text(blocks, f"{p}.content")})
+        elif role == "user":
             out.extend(_user_messages(blocks, f"{p}.content"))
         else:
             out.append(_assistant_message(blocks, f"{p}.content"))
@@ -167,20 +190,35 @@ def _assistant_message(blocks: list[dict], p: str) -> dict:
     return msg
 
 
-def parse_tools(raw: Any) -> Optional[list[dict]]:
-    """Anthropic tools -> OpenAI function tools (the form chat templates expect)."""
+def referenced_tools(raw_messages: Any) -> set[str]:
+    """Names in ``tool_reference`` blocks of tool results (tool search loading deferred tools)."""
+    names: set[str] = set()
+    for m in raw_messages if isinstance(raw_messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for b in content if isinstance(content, list) else ():
+            inner = b.get("content") if isinstance(b, dict) and b.get("type") == "tool_result" else None
+            for r in inner if isinstance(inner, list) else ():
+                if isinstance(r, dict) and r.get("type") == "tool_reference" and isinstance(r.get("tool_name"), str):
+                    names.add(r["tool_name"])
+    return names
+
+
+def parse_tools(raw: Any, loaded: frozenset = frozenset()) -> Optional[list[dict]]:
+    """Anthropic tools -> OpenAI function tools (the form chat templates expect).
+
+    Server tools (web search, code execution, ...) cannot run here: they are left out with a
+    warning, as the real API leaves out a tool it cannot offer. ``defer_loading`` tools stay out
+    of the prompt until a tool search result references them (``loaded``), as with the real API."""
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", param="tools")
     out = []
-    for j, t in enumerate(raw):
-        p = f"tools[{j}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
+    for p, t in object_items(raw, "tools"):
         if t.get("type") not in (None, "custom"):
-            raise bad_request(f"{p}: server tool type {t.get('type')!r} is not supported; only custom tools are",
-                              param=f"{p}.type")
+            log.warning("%s: server tool %r (type %r) is not available on this server; left out",
+                        p, t.get("name"), t.get("type"))
+            continue
+        if t.get("defer_loading") is True and t.get("name") not in loaded:
+            continue
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"{p}.name must be a non-empty string", param=f"{p}.name")
@@ -213,17 +251,18 @@ def parse_tool_choice(raw: Any) -> bool:
     raise bad_request(f"unknown tool_choice type {t!r}", param="tool_choice.type")
 
 
-def parse_thinking(raw: Any) -> tuple[Optional[bool], bool, Optional[int]]:
-    """-> (enable_thinking or None for the server default, omit the thinking text, budget_tokens)."""
+def parse_thinking(raw: Any, default: Optional[bool] = False) -> tuple[Optional[bool], bool, Optional[int]]:
+    """-> (enable_thinking or None for the server default, omit the thinking text, budget_tokens).
+
+    ``default`` applies to a request without ``thinking`` (the real API: no thinking)."""
     if raw is None:
-        return None, False, None
+        return default, False, None
     if not isinstance(raw, dict):
         raise bad_request("thinking must be an object", param="thinking")
     t = raw.get("type")
     display = raw.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise bad_request(f"thinking.display must be 'summarized' or 'omitted', got {display!r}",
-                          param="thinking.display")
+    if display is not None and not isinstance(display, str):  # summarized | omitted | later values
+        raise bad_request(f"thinking.display must be a string, got {type_name(display)}", param="thinking.display")
     omit = display == "omitted"
     if t == "disabled":
         return False, False, None
@@ -242,23 +281,34 @@ def parse_thinking(raw: Any) -> tuple[Optional[bool], bool, Optional[int]]:
                       param="thinking.type")
 
 
-def parse_output_config(raw: Any) -> Optional[str]:
-    """-> the effort level (passed to the template as ``reasoning_effort``)."""
+def parse_output_config(raw: Any) -> tuple[Optional[str], Optional[dict]]:
+    """-> (the effort level, passed to the template as ``reasoning_effort``; the constraint spec of
+    ``format``)."""
     if raw is None:
-        return None
+        return None, None
     if not isinstance(raw, dict):
         raise bad_request("output_config must be an object", param="output_config")
-    if raw.get("format") is not None:
-        raise bad_request("output_config.format (structured output) is not supported", param="output_config.format")
     effort = raw.get("effort")
     if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
         raise bad_request(f"output_config.effort must be low, medium, high, xhigh or max, got {effort!r}",
                           param="output_config.effort")
-    return effort
+    return effort, output_format_constraint(raw.get("format"))
 
 
-def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str, bool, bool]:
-    """-> (inputs, model, stream, omit the thinking text).
+def output_format_constraint(fmt: Any) -> Optional[dict]:
+    """``output_config.format`` -> the constraint spec (``{"type": "json_schema", "schema": ...}``)."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad_request("output_config.format must be {'type': 'json_schema', 'schema': {...}}",
+                          param="output_config.format")
+    return {"type": "json_schema", "schema": fmt["schema"], "strict": True}
+
+
+def parse_request(body: dict, for_count: bool = False, default_thinking: Optional[bool] = False
+                  ) -> tuple[ChatInputs, str, bool, bool]:
+    """-> (inputs, model, stream, omit the thinking text). ``default_thinking``: enable_thinking of a
+    request without ``thinking`` (None: the server's template default).
 
     ``temperature`` / ``top_p`` / ``top_k`` are still read (older clients send them)."""
     model = body.get("model")
@@ -266,10 +316,10 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
         raise bad_request("model must be a string", param="model")
     system = parse_system(body.get("system"))
     messages = parse_messages(body.get("messages"), system)
-    tools = parse_tools(body.get("tools"))
+    tools = parse_tools(body.get("tools"), frozenset(referenced_tools(body.get("messages"))))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
-    thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"))
-    effort = parse_output_config(body.get("output_config"))
+    thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"), default_thinking)
+    effort, constraint = parse_output_config(body.get("output_config"))
     layer: dict = {}
     names = {"stop": "stop_sequences"}
     if not for_count:
@@ -289,7 +339,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
     inp = ChatInputs(messages=messages, tools=tools if allow_calls else None,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
                      sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
-                     template_kwargs={"reasoning_effort": effort} if effort else {})
+                     template_kwargs={"reasoning_effort": effort} if effort else {}, constraint=constraint)
     return inp, model or "", stream, omit_thinking
 
 
@@ -411,7 +461,7 @@ async def messages(request: Request):
     rid = new_id("req_")
     t0 = time.monotonic()
     body = await read_json(request, state.config.max_request_bytes)
-    inp, model, stream, omit_thinking = parse_request(body)
+    inp, model, stream, omit_thinking = parse_request(body, default_thinking=_default_thinking(state))
     model = model or state.config.model_id
     prep = await gen.prepare_chat(state, inp)
     handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key,
@@ -458,6 +508,6 @@ async def _messages_sse(handle, streamer: MessageStreamer, events):
 async def count_tokens(request: Request):
     state = _state(request)
     body = await read_json(request, state.config.max_request_bytes)
-    inp = parse_request(body, for_count=True)[0]
+    inp = parse_request(body, for_count=True, default_thinking=_default_thinking(state))[0]
     n = await gen.count_prompt_tokens(state, inp)
     return JSONResponse({"input_tokens": n}, headers={"request-id": new_id("req_")})

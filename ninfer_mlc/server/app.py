@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import APIError, error_response, send_error
 from .state import ServerConfig, ServerState
 
@@ -117,6 +117,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -290,6 +291,7 @@ def load_state(args, engine: Any = None) -> ServerState:
         cors=args.cors,
         max_request_bytes=int(args.max_request_mib * (1 << 20)),
         enable_thinking=not args.no_thinking,
+        messages_thinking_default=getattr(args, "messages_thinking_default", "off") == "on",
         preserve_thinking=args.preserve_thinking,
         tolerant_tool_calls=args.tolerant_tool_calls,
         default_thinking_budget=getattr(args, "default_thinking_budget", None),

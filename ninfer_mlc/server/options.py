@@ -22,6 +22,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=int, default=8192)
     p.add_argument("--request-log-jsonl", default=None, help="append one JSON line per finished request")
     p.add_argument("--no-thinking", action="store_true", help="default enable_thinking=false")
+    p.add_argument("--messages-thinking-default", choices=["off", "on"], default="off",
+                   help="/v1/messages requests without `thinking`: off = no thinking (as the Anthropic API), "
+                        "on = the server default (--no-thinking)")
     p.add_argument("--preserve-thinking", action="store_true", help="keep reasoning of earlier assistant turns in prompts")
     p.add_argument("--default-thinking-budget", type=int, default=None,
                    help="reasoning tokens before the engine closes </think> itself (requests may set their own)")
