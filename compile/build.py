@@ -96,8 +96,6 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (the test suite does).
     """
-    from tvm import relax
-
     from .kernels.dequant import fp4_mma_scope
 
     kv_dtype = kv_dtype or dtype
@@ -124,7 +122,9 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
         with cuda_build_env(tgt):
             ex = build_cuda(mod, tgt)
     else:
-        ex = relax.build(mod, target=tgt)
+        from .cpu_pipeline import build_llvm
+
+        ex = build_llvm(mod, tgt)
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     ex.export_library(str(lib_path))
     if cached is not None:

@@ -77,7 +77,7 @@ def test_anthropic_accepts_every_documented_value():
             "output_config": {"effort": "xhigh", "format": {"type": "json_schema", "schema": {"type": "object"}}}}
     inp, _, _, omit = anthropic_api.parse_request(body)
     assert [t["function"]["name"] for t in inp.tools] == ["Read"]  # deferred + server tools left out
-    assert inp.enable_thinking is True and not omit
+    assert inp.enable_thinking is None and not omit  # adaptive: the server default decides
     assert inp.constraint == {"type": "json_schema", "schema": {"type": "object"}, "strict": True}
     assert inp.template_kwargs == {"reasoning_effort": "xhigh"}
     # a tool search result loads the deferred tool

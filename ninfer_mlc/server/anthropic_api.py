@@ -6,9 +6,10 @@ dropped so it does not change the prompt on every call.
 
 Every field value the real API documents is accepted; what has no meaning for a local model
 (``cache_control``, ``context_management``, tool ``strict`` / ``input_examples``, server tools)
-is ignored, never answered with a 400. A request without ``thinking`` does not think, as with
-the real API, unless the server runs with ``--messages-thinking-default on`` (then the server's
-template default, ``--no-thinking``, decides). ``role: "system"`` messages inside ``messages``
+is ignored, never answered with a 400. Thinking: ``enabled`` thinks, ``disabled`` does not,
+``adaptive`` (the model decides; Claude Code's default) follows the server's template default
+(``--no-thinking``); a request without ``thinking`` does not think, as with the real API, unless
+the server runs with ``--messages-thinking-default on`` (then the server default decides too). ``role: "system"`` messages inside ``messages``
 are folded into the adjacent user turn (server/system_fold.py).
 """
 from __future__ import annotations
@@ -266,7 +267,9 @@ def parse_thinking(raw: Any, default: Optional[bool] = False) -> tuple[Optional[
     omit = display == "omitted"
     if t == "disabled":
         return False, False, None
-    if t in ("adaptive", "between_tools"):
+    if t == "adaptive":  # the model decides: here the server's template default (--no-thinking) does
+        return None, omit, None
+    if t == "between_tools":
         return True, omit, None
     if t == "enabled":
         budget = get_int(raw, "budget_tokens", param="thinking.budget_tokens")
@@ -455,6 +458,12 @@ class MessageStreamer:
 
 
 # ---- routes -------------------------------------------------------------------------------
+@router.api_route("/api/hello", methods=["GET", "HEAD"])
+async def hello():
+    """Claude Code's connectivity probe (``HEAD {ANTHROPIC_BASE_URL}/api/hello``)."""
+    return JSONResponse({"status": "ok"})
+
+
 @router.post("/v1/messages")
 async def messages(request: Request):
     state = _state(request)
