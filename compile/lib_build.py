@@ -13,9 +13,8 @@ from .targets import TargetSpec, cuda_build_env
 
 
 def build_cached(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
-    """relax.build (CUDA: our DLight pipeline under the stub-driver env) -> lib_path."""
-    from tvm import relax
-
+    """Our build pipelines (CUDA: DLight + our kernels under the stub-driver env; llvm: the CPU schedules of
+    compile/cpu_pipeline.py) -> lib_path."""
     cache = os.environ.get("NINFER_LIB_CACHE")
     cached = Path(cache) / f"{key}.so" if cache else None
     lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -29,7 +28,9 @@ def build_cached(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
         with cuda_build_env(tgt):
             ex = build_cuda(mod, tgt)
     else:
-        ex = relax.build(mod, target=tgt)
+        from .cpu_pipeline import build_llvm
+
+        ex = build_llvm(mod, tgt)
     ex.export_library(str(lib_path))
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)

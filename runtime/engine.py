@@ -190,7 +190,7 @@ class Engine:
         if n >= self.max_context:
             with self._lock:
                 self.counters.requests_rejected_context += 1
-            raise ContextTooLong(n, self.max_context)
+            raise ContextTooLong(n, self.max_context - 1)
         room = self.max_context - n
         max_tokens = max(1, min(req.params.max_tokens or self.cfg.default_max_tokens, room))
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)

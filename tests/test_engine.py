@@ -141,7 +141,7 @@ def test_context_limit_is_enforced():
     try:
         with pytest.raises(ContextTooLong) as e:
             eng.submit(GenRequest(list(range(128)), SamplingParams(max_tokens=4)))
-        assert (e.value.prompt_tokens, e.value.limit) == (128, 128)
+        assert (e.value.prompt_tokens, e.value.max_prompt_tokens) == (128, 127)
         out = run_all(eng, [list(range(100))], max_tokens=1000)[0][1]
         assert out.reason == "length" and out.usage["completion_tokens"] == 28  # clamped to the context
     finally:

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .monitor import MONITOR_PATHS, make_stats_app, register_monitoring_routes
 from ..config import CLIError, flag_for, from_args
 from ..runtime.config import EngineConfig
@@ -114,6 +114,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -255,6 +256,7 @@ def load_state(args, engine: Any = None) -> ServerState:
         cors=opts.cors,
         max_request_bytes=int(opts.max_request_mib * (1 << 20)),
         enable_thinking=opts.enable_thinking,
+        messages_thinking_default=opts.messages_thinking_default,
         preserve_thinking=opts.preserve_thinking,
         tolerant_tool_calls=opts.tolerant_tool_calls,
         default_thinking_budget=opts.default_thinking_budget,

@@ -96,3 +96,16 @@ def get_dict(body: dict, name: str, param: Optional[str] = None) -> Optional[dic
 
 def get_list(body: dict, name: str, param: Optional[str] = None) -> Optional[list]:
     return _typed(body, name, None, param, lambda v: isinstance(v, list), "an array")
+
+
+def object_items(raw: Any, param: str) -> list[tuple[str, dict]]:
+    """A JSON array of objects -> [(its element's param name, the object)]; 400 naming the bad part."""
+    if not isinstance(raw, list):
+        raise bad_request(f"{param} must be an array", param=param)
+    out = []
+    for j, t in enumerate(raw):
+        p = f"{param}[{j}]"
+        if not isinstance(t, dict):
+            raise bad_request(f"{p} must be an object", param=p)
+        out.append((p, t))
+    return out

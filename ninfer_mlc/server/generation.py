@@ -24,6 +24,7 @@ from ..runtime.sampling import SamplingError, SamplingParams, resolve_sampling_p
 from ..tool_calls import ToolCall, ToolCallStreamDecoder
 from .errors import APIError, bad_request, from_engine, from_sampling
 from .sse import until_disconnect
+from .system_fold import fold_system_messages
 
 # names render() or the template call itself binds: never taken from chat_template_kwargs
 _RESERVED_TEMPLATE_VARS = {"self", "messages", "tools", "add_generation_prompt", "documents", "template_name",
@@ -45,7 +46,9 @@ class ChatInputs:
     param_names: dict = field(default_factory=dict)  # SamplingParams field -> request spelling
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
-    constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
+    # constrained-decoding spec ({"type": "json_schema", "schema", "strict"} | {"type": "json_object"} |
+    # {"type": "tool_call", "mode": "required" | "named", "name", "tools"}); runtime/structural_tags.py
+    constraint: Optional[dict] = None
     constraint_param: str = ""  # the request field the constraint came from (named by a 400)
     images: list = field(default_factory=list)  # ImageRef per image part, in prompt order (server/image_parts.py)
 
@@ -79,8 +82,8 @@ def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
               if isinstance(k, str) and k.isidentifier() and k not in _RESERVED_TEMPLATE_VARS}
     kwargs["enable_thinking"] = thinking
     try:
-        text = state.template.render(inp.messages, tools=inp.tools or None, add_generation_prompt=True,
-                                     preserve_thinking=preserve, **kwargs)
+        text = state.template.render(fold_system_messages(inp.messages), tools=inp.tools or None,
+                                     add_generation_prompt=True, preserve_thinking=preserve, **kwargs)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     return text, thinking

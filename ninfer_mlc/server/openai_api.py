@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 from . import generation as gen
 from .constraints import openai_constraint
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, request_id, type_name
+from .fields import (get_bool, get_dict, get_int, get_list, get_str, new_id, object_items, read_json, request_id,
+                     type_name)
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, openai_image_part
 from .sse import DONE, SSEResponse, sse_data
@@ -161,12 +162,7 @@ def _parse_history_calls(calls: Any, p: str) -> list[dict]:
 def parse_tools(raw: Any) -> Optional[list[dict]]:
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", param="tools")
-    for j, t in enumerate(raw):
-        p = f"tools[{j}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
+    for p, t in object_items(raw, "tools"):
         if t.get("type", "function") != "function":
             raise bad_request(f"{p}.type {t.get('type')!r} is not supported; only function tools are",
                               param=f"{p}.type")
@@ -180,6 +176,9 @@ def parse_tools(raw: Any) -> Optional[list[dict]]:
         if params is not None and not isinstance(params, dict):
             raise bad_request(f"{p}.function.parameters must be a JSON schema object",
                               param=f"{p}.function.parameters")
+        strict = fn.get("strict", t.get("strict"))
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"{p}.function.strict must be a boolean", param=f"{p}.function.strict")
     return raw or None
 
 

@@ -31,6 +31,8 @@ class ServeOptions:
                                      "request's `thinking` field)",
                                off_help="no thinking unless a request asks for it (OpenAI routes; Anthropic follows "
                                         "the request's `thinking` field)")
+    messages_thinking_default: bool = _f(False, "/v1/messages requests without `thinking`: off = no thinking (as the "
+                                                "Anthropic API), on = the server default (--no-thinking)")
     preserve_thinking: bool = _f(False, "keep the reasoning of earlier assistant turns in prompts")
     default_thinking_budget: Optional[int] = _f(None, "reasoning tokens before the engine closes </think> itself "
                                                       "(requests may set their own)", metavar="TOKENS",

@@ -18,6 +18,8 @@ class ServerConfig:
     cors: bool = False
     max_request_bytes: int = 64 << 20
     enable_thinking: bool = True  # default when a request does not say (--no-thinking flips it)
+    # /v1/messages without `thinking`: False = no thinking (the real API); True = enable_thinking decides
+    messages_thinking_default: bool = False  # --messages-thinking-default on|off (h/clients hook)
     preserve_thinking: bool = False  # keep reasoning of closed assistant turns (--preserve-thinking)
     tolerant_tool_calls: bool = False
     default_thinking_budget: Optional[int] = None  # --default-thinking-budget (reasoning tokens)

@@ -171,7 +171,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self.counters.requests_rejected_context += 1
                 self.counters.requests_finished += 1
-                r.sink.admit(ContextTooLong(len(r.req.prompt_ids), self.kv.capacity_tokens - 1, "KV pool size"))
+                r.sink.admit(ContextTooLong(len(r.req.prompt_ids), self.kv.capacity_tokens - 1, "device KV pool"))
                 continue
             history = r.fed_tokens()
             if self.running and self.kv.pages_for(len(history) + 1) > self.kv.reclaimable_pages():
