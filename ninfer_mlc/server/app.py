@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
+import json
 import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,7 +46,9 @@ _DRAIN_CAP = 256 << 20  # read (and drop) at most this much of an oversized body
 
 class GuardMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware, so streaming and disconnects pass straight through):
-    API-key check, Content-Length limit, in-flight accounting."""
+    API-key check, Content-Length limit, in-flight accounting, every answer counted by status and
+    error type (rejected requests also go to the request log), and an unexpected exception answered
+    as a 500 JSON body here, so it never reaches the server and the kept-alive connection stays usable."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -57,28 +61,71 @@ class GuardMiddleware:
         path, method = scope.get("path", ""), scope.get("method", "GET")
         cfg = self.state.config
         headers = Headers(scope=scope)
-        if cfg.api_key and method != "OPTIONS" and path not in OPEN_PATHS:
-            if not authorized(headers, cfg.api_key):
-                await send_error(send, path, APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                                           "KEY' or 'x-api-key: KEY')", code="invalid_api_key"),
-                                 [(b"www-authenticate", b"Bearer")])
-                return
-        cl = headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > cfg.max_request_bytes:
-            if int(cl) <= _DRAIN_CAP:
-                await drain(receive)
-            await send_error(send, path, APIError(
-                413, f"request body of {cl} bytes exceeds the limit of {cfg.max_request_bytes} bytes "
-                     f"(--max-request-mib)", code="request_too_large"))
-            return
+        seen = _Answer(send)
+        t0 = time.monotonic()
         counted = method == "POST" and path.startswith("/v1/")
         if counted:
             self.state.enter()
         try:
-            await self.app(scope, receive, send)
+            if cfg.api_key and method != "OPTIONS" and path not in OPEN_PATHS and not authorized(headers, cfg.api_key):
+                await send_error(seen, path, APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
+                                                           "KEY' or 'x-api-key: KEY')", code="invalid_api_key"),
+                                 [(b"www-authenticate", b"Bearer")])
+                return
+            cl = headers.get("content-length")
+            if cl is not None and cl.isdigit() and int(cl) > cfg.max_request_bytes:
+                if int(cl) <= _DRAIN_CAP:
+                    await drain(receive)
+                await send_error(seen, path, APIError(
+                    413, f"request body of {cl} bytes exceeds the limit of {cfg.max_request_bytes} bytes "
+                         f"(--max-request-mib)", code="request_too_large"))
+                return
+            try:
+                await self.app(scope, receive, seen)
+            except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the connection
+                if seen.status is not None:
+                    raise  # a stream already started: the connection carries a broken answer, it must close
+                log.exception("unhandled error on %s", path)
+                await send_error(seen, path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             if counted:
                 self.state.leave()
+            if seen.status is not None:
+                self.state.http.record_response(seen.status, seen.error_type)
+                if seen.status >= 400 and path.startswith("/v1/"):
+                    self.state.log.log_rejected(
+                        request_id=headers.get("x-request-id", ""), model=cfg.model_id, method=method, path=path,
+                        status=seen.status, error_type=seen.error_type, error=seen.error,
+                        wall_ms=(time.monotonic() - t0) * 1000)
+
+
+class _Answer:
+    """An ASGI `send` that remembers the answer's status and, for a JSON error body, its type and message."""
+
+    def __init__(self, send):
+        self._send = send
+        self.status: Optional[int] = None
+        self.error_type: Optional[str] = None
+        self.error: Optional[str] = None
+        self._json = False
+
+    async def __call__(self, msg) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = int(msg["status"])
+            ct = dict(msg.get("headers") or []).get(b"content-type", b"")
+            self._json = self.status >= 400 and ct.startswith(b"application/json")
+        elif msg["type"] == "http.response.body" and self._json and self.error_type is None:
+            self._read_error(msg.get("body", b""))
+        await self._send(msg)
+
+    def _read_error(self, body: bytes) -> None:
+        try:
+            err = json.loads(body).get("error") or {}
+        except (ValueError, AttributeError):
+            return
+        if isinstance(err, dict):
+            self.error_type = err.get("code") or err.get("type")
+            self.error = str(err.get("message", ""))[:500]
 
 
 async def drain(receive) -> None:
@@ -118,7 +165,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(request.url.path, exc)
+        return error_response(request.url.path, exc, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -132,11 +179,6 @@ def create_app(state: ServerState) -> FastAPI:
         errs = exc.errors()
         param = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
         return error_response(request.url.path, APIError(400, f"invalid request: {errs}", param=param or None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     app.add_middleware(GuardMiddleware, state=state)
     if state.config.cors:  # outermost, so preflights never meet the API-key check

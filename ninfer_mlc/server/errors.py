@@ -34,13 +34,14 @@ class APIError(Exception):
     """An error answered as JSON with ``status``; ``param`` names the offending request field."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None):
+                 type: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers  # e.g. Retry-After on 429 / 503
 
     def message_for(self, path: str) -> str:
         """The message as the API behind ``path`` words it (one wording for most errors)."""
@@ -82,9 +83,10 @@ def from_engine(e: EngineError, param: Optional[str] = None) -> APIError:
         return ContextLengthExceeded(e.prompt_tokens, e.max_prompt_tokens, param or "messages")
     if isinstance(e, QueueFull):
         return APIError(429, f"the server is at capacity: {e} (--max-pending-requests); retry shortly",
-                        code="server_overloaded")
+                        code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, QueueTimeout):
-        return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout")
+        return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout",
+                        headers={"Retry-After": "1"})
     if isinstance(e, EngineStopped):
         return APIError(503, str(e), code="engine_stopped")
     if isinstance(e, ImagesUnsupported):

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from starlette.concurrency import run_in_threadpool
 
 from ..chat_template import ChatTemplateError
 from ..reasoning import ReasoningStreamSplitter
@@ -22,7 +21,7 @@ from ..runtime.errors import EngineError
 from ..runtime.grammar import ConstraintError, GrammarUnavailable
 from ..runtime.sampling import SamplingError, SamplingParams, resolve_sampling_params
 from ..tool_calls import ToolCall, ToolCallStreamDecoder
-from .errors import APIError, bad_request, from_engine, from_sampling
+from .errors import APIError, ContextLengthExceeded, bad_request, from_engine, from_sampling
 from .sse import until_disconnect
 from .system_fold import fold_system_messages
 
@@ -123,8 +122,18 @@ def compile_constraint(state, inp: ChatInputs, reasoning: bool) -> None:
         raise bad_request(f"{inp.constraint_param}: {e}", param=inp.constraint_param) from None
 
 
+def check_fits(state, text: str, param: str = "messages") -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it: every token stands for at most
+    max_token_bytes bytes, so the token count is at least bytes / that."""
+    limit = state.config.max_context - 1
+    floor = len(text.encode("utf-8", "surrogatepass")) // state.max_token_bytes
+    if floor > limit:
+        raise ContextLengthExceeded(floor, limit, param)
+
+
 def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
     text, thinking = render_prompt(state, inp)
+    check_fits(state, text)
     params = resolve_params(state, inp.sampling, inp.param_names, thinking)
     ids = encode(state, text)
     tools = inp.tools if (inp.tools and inp.parse_tools) else None
@@ -138,7 +147,7 @@ def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:
     """Render + tokenize off the event loop (long prompts take a while); images -> the media payload."""
-    prep = await run_in_threadpool(_prepare_chat_sync, state, inp)
+    prep = await state.prep.run(_prepare_chat_sync, state, inp)
     if inp.images:
         prep.prompt_ids, prep.media = await _vision(state).media_for(prep.prompt_ids, inp.images)
     elif getattr(state, "vision", None) is not None and state.vision.pad_id in prep.prompt_ids:
@@ -160,7 +169,7 @@ async def count_prompt_tokens(state, inp: ChatInputs) -> int:
         text, _ = render_prompt(state, inp)
         return encode(state, text)
 
-    ids = await run_in_threadpool(work)
+    ids = await state.prep.run(work)
     if inp.images:
         ids, _ = await _vision(state).media_for(ids, inp.images, encode=False)
     return len(ids)

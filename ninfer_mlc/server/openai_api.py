@@ -10,13 +10,12 @@ import time
 from typing import Any, Optional
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from . import generation as gen
 from .constraints import openai_constraint
 from .errors import APIError, bad_request
-from .fields import (get_bool, get_dict, get_int, get_list, get_str, new_id, object_items, read_json, request_id,
+from .fields import (get_bool, get_dict, get_int, get_str, new_id, object_items, read_json, request_id,
                      type_name)
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, openai_image_part
@@ -379,6 +378,7 @@ async def _chat_sse(handle, chunker: ChatChunker, events):
 # ---- legacy completions -------------------------------------------------------------------
 def parse_prompt(state, raw: Any) -> list[int]:
     if isinstance(raw, str):
+        gen.check_fits(state, raw, param="prompt")
         return gen.encode(state, raw)
     if isinstance(raw, list) and raw:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
@@ -432,7 +432,7 @@ async def completions(request: Request):
         layer["top_logprobs"] = n_lp
         names["top_logprobs"] = "logprobs"
     raw_prompt = body["prompt"]
-    ids = await run_in_threadpool(parse_prompt, state, raw_prompt)
+    ids = await state.prep.run(parse_prompt, state, raw_prompt)
     params = gen.resolve_params(state, layer, names, thinking=False)
     handle = await gen.submit(state, request.receive, ids, params, rid, get_str(body, "user"), prompt_param="prompt")
     headers = {"x-request-id": rid}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..chat_template import ChatTemplate
+from .prep_stage import PrepStage, max_token_bytes
 from .request_log import RequestLogger
 from .stats import HttpCounters
 
@@ -27,6 +28,8 @@ class ServerConfig:
     family: Optional[str] = None  # model family for sampling presets
     model_sampling_defaults: dict = field(default_factory=dict)  # the model's generation_config.json
     keepalive_s: float = 5.0
+    prep_workers: int = 2  # threads rendering and tokenizing prompts
+    max_waiting_prep: int = 16  # requests waiting for one of them (beyond: 429)
     request_log_path: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -43,6 +46,15 @@ class ServerState:
         self.http = HttpCounters()  # in-flight / recent requests / answers by status for /stats
         self.vocab_size: Optional[int] = engine.runner.vocab_size if hasattr(engine, "runner") else None
         self.vision = None  # server/vision.py VisionService when the model takes images
+        # render + tokenize off the event loop, bounded (server/prep_stage.py)
+        self.prep = PrepStage(config.prep_workers, config.max_waiting_prep)
+        self._max_token_bytes: Optional[int] = None
+
+    @property
+    def max_token_bytes(self) -> int:
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max_token_bytes(self.tok)
+        return self._max_token_bytes
         self._tok_text: dict[int, str] = {}
 
     def token_text(self, tid: int) -> str:
