@@ -46,6 +46,7 @@ class RequestHandle:
         self._aq: Optional[asyncio.Queue] = asyncio.Queue() if loop else None
         self._sq: "queue.SimpleQueue" = queue.SimpleQueue()
         self.admitted = threading.Event()
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache (set before admission)
         self.finished: Optional[Finished] = None
 
     # ---- engine thread -------------------------------------------------------------------

@@ -150,3 +150,67 @@ def test_a_huge_prompt_is_refused_before_tokenizing(srv):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     print(f"12 MB prompt refused in {took:.2f}s; worst /health latency meanwhile {worst * 1000:.0f} ms")
     assert worst < 2.0  # generous on a loaded 2-core machine; the stall it replaces lasted up to 90 s
+
+
+# ---- what the server reports --------------------------------------------------------------------
+def test_logprob_bytes_of_a_partial_utf8_token_are_its_raw_bytes(srv):
+    """Byte-level BPE token 94 is the lone byte 0xA1 (half of a UTF-8 character): its text is U+FFFD, its
+    bytes must be [161] (they were the replacement character's [239, 191, 189])."""
+    tok = srv.state.tok
+    assert "\ufffd" in tok.decode([94], skip_special_tokens=False)
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+                                                   "logit_bias": {"94": 100}, "temperature": 0})
+        assert r.status_code == 200, r.text
+        (entry,) = r.json()["choices"][0]["logprobs"]["content"]
+        assert entry["bytes"] == [0xA1]
+        for top in entry["top_logprobs"]:  # raw logprobs: the alternatives' bytes are their own too
+            assert bytes(top["bytes"]).decode("utf-8", "replace") == top["token"] or "\ufffd" in top["token"]
+
+
+def test_reasoning_tokens_do_not_depend_on_logprobs(srv):
+    counts = []
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        for lp in (False, True):
+            r = c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 48, "temperature": 0, "seed": 1,
+                                                       "logprobs": lp, "chat_template_kwargs": {"enable_thinking": True}})
+            assert r.status_code == 200, r.text
+            counts.append(r.json()["usage"]["completion_tokens_details"]["reasoning_tokens"])
+        assert counts[0] == counts[1] > 0
+
+
+def test_anthropic_stream_start_and_delta_agree_on_input_and_cache(srv):
+    body = {"model": "m", "max_tokens": 3, "stream": True, "temperature": 0,
+            "messages": [{"role": "user", "content": "a prompt long enough to be worth caching " * 8}]}
+    with httpx.Client(base_url=srv.url, timeout=120) as c:
+        for turn in range(2):  # the second turn restores the first one's prompt from the cache
+            with c.stream("POST", "/v1/messages", json=body) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+            start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+            delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+            for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+                assert start[k] == delta[k], (turn, k, start, delta)
+        assert delta["cache_read_input_tokens"] > 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "objekt"}}]}, "tools[0].input_schema"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 2048}, "thinking.budget_tokens"),
+])
+def test_anthropic_validation_as_the_real_api(srv, body, param):
+    req = {"model": "m", "max_tokens": 16, "messages": HI, **body}
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/messages", json=req)
+    assert r.status_code == 400, r.text
+    assert r.json()["type"] == "error" and param in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("schema", [{"type": "objekt"}, {"type": "object", "properties": []},
+                                    {"type": "object", "required": "a"}, {"type": "object", "properties": {"a": 3}}])
+def test_openai_tool_with_an_invalid_schema_is_a_400(srv, schema):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/chat/completions", json={"messages": HI, "tools": tools, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("tools[0].function.parameters")

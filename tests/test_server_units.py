@@ -262,7 +262,7 @@ def test_anthropic_stop_reasons(finished, reason, seq):
 
 def test_anthropic_request_conversion():
     body = {
-        "model": "claude-sonnet", "max_tokens": 100,
+        "model": "claude-sonnet", "max_tokens": 4096,
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
                    {"type": "text", "text": "You are helpful."}],
         "messages": [

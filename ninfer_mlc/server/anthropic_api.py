@@ -26,9 +26,20 @@ from ..tool_calls import anthropic_tool_id
 from . import generation as gen
 from .constraints import anthropic_constraint, anthropic_output_format
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, object_items, read_json, type_name
+from .fields import (
+    get_bool,
+    get_dict,
+    get_int,
+    get_list,
+    get_str,
+    new_id,
+    object_items,
+    read_json,
+    type_name,
+)
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, anthropic_image_block
+from .schema_check import check_schema
 from .sse import SSEResponse, sse_event
 
 router = APIRouter()
@@ -231,9 +242,8 @@ def parse_tools(raw: Any, loaded: frozenset = frozenset()) -> Optional[list[dict
             raise bad_request(f"{p}.name must be a non-empty string", param=f"{p}.name")
         schema = t.get("input_schema")
         if schema is None:
-            schema = {"type": "object", "properties": {}}
-        if not isinstance(schema, dict):
-            raise bad_request(f"{p}.input_schema must be a JSON schema object", param=f"{p}.input_schema")
+            raise bad_request(f"{p}.input_schema: Field required", param=f"{p}.input_schema")
+        check_schema(schema, f"{p}.input_schema")
         fn: dict = {"name": name}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -330,6 +340,9 @@ def parse_request(body: dict, for_count: bool = False, default_thinking: Optiona
         if mt is None:
             raise bad_request("max_tokens is required", param="max_tokens")
         layer["max_tokens"] = mt
+        if thinking_budget is not None and isinstance(mt, int) and thinking_budget >= mt:
+            raise bad_request(f"`max_tokens` must be greater than `thinking.budget_tokens` ({mt} <= "
+                              f"{thinking_budget})", param="thinking.budget_tokens")
         for k in ("temperature", "top_p", "top_k"):
             if body.get(k) is not None:
                 layer[k] = body[k]
@@ -387,8 +400,10 @@ def message_body(mid: str, model: str, col: gen.Collected, omit_thinking: bool =
 class MessageStreamer:
     """``Out``/``Done`` events -> Anthropic SSE events (bytes), full content-block lifecycle."""
 
-    def __init__(self, mid: str, model: str, input_tokens: int, omit_thinking: bool = False):
-        self.mid, self.model, self.input_tokens = mid, model, input_tokens
+    def __init__(self, mid: str, model: str, input_tokens: int, omit_thinking: bool = False, cached_tokens: int = 0):
+        """input_tokens: the whole prompt; cached_tokens: the part the prefix cache served (known at
+        admission, so message_start and message_delta report the same split)."""
+        self.mid, self.model, self.input_tokens, self.cached = mid, model, input_tokens, cached_tokens
         self.omit_thinking = omit_thinking  # thinking.display "omitted": signature only
         self.index = -1
         self.open: Optional[str] = None  # type of the open block
@@ -397,8 +412,8 @@ class MessageStreamer:
     def start(self) -> list[bytes]:
         msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,
-                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+               "usage": {"input_tokens": self.input_tokens - self.cached, "output_tokens": 0,
+                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached}}
         return [sse_event("message_start", {"type": "message_start", "message": msg}),
                 sse_event("ping", {"type": "ping"})]
 
@@ -479,12 +494,13 @@ async def messages(request: Request):
     headers = {"request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)
-    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text)
+    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text,
+                      token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "anthropic.messages", rid, len(prep.prompt_ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     mid = new_id("msg_")
     if stream:
-        streamer = MessageStreamer(mid, model, len(prep.prompt_ids), omit_thinking)
+        streamer = MessageStreamer(mid, model, len(prep.prompt_ids), omit_thinking, cached_tokens=handle.cached_tokens)
         return SSEResponse(_messages_sse(handle, streamer, events), headers=headers,
                            keepalive_s=state.config.keepalive_s, keepalive=sse_event("ping", {"type": "ping"}))
     ok, col = await gen.run_collect(request.receive, handle, events)

@@ -195,16 +195,19 @@ class Done:
     tool_parse: Optional[dict] = None  # for the request log
 
 
-def logprob_entries(delta: Delta, token_text: Callable[[int], str]) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries for the tokens of one delta."""
+def logprob_entries(delta: Delta, token_text: Callable[[int], str],
+                    token_bytes: Optional[Callable[[int], bytes]] = None) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` entries for the tokens of one delta. ``bytes`` are the token's own
+    bytes (a token holding part of a UTF-8 character has no text of its own: its bytes say what it is)."""
+    raw = token_bytes or (lambda t: token_text(t).encode("utf-8"))
     out = []
     for lp in delta.logprobs or []:
         if lp is None:
             continue
-        tok = token_text(int(lp.token_id))
-        top = [{"token": (t := token_text(int(i))), "logprob": float(v), "bytes": list(t.encode("utf-8"))}
+        tid = int(lp.token_id)
+        top = [{"token": token_text(int(i)), "logprob": float(v), "bytes": list(raw(int(i)))}
                for i, v in zip(lp.top_ids, lp.top_logprobs)]
-        out.append({"token": tok, "logprob": float(lp.logprob), "bytes": list(tok.encode("utf-8")),
+        out.append({"token": token_text(tid), "logprob": float(lp.logprob), "bytes": list(raw(tid)),
                     "top_logprobs": top})
     return out
 
@@ -218,10 +221,12 @@ class ChatStream:
     """
 
     def __init__(self, started_in_think: bool = False, tools: Optional[list[dict]] = None, tolerant: bool = False,
-                 token_text: Optional[Callable[[int], str]] = None, split_reasoning: bool = True):
+                 token_text: Optional[Callable[[int], str]] = None, split_reasoning: bool = True,
+                 token_bytes: Optional[Callable[[int], bytes]] = None):
         self.splitter = ReasoningStreamSplitter(started_in_think) if split_reasoning else None
         self.decoder = ToolCallStreamDecoder(tools, tolerant=tolerant) if tools else None
         self.token_text = token_text or (lambda t: str(t))
+        self.token_bytes = token_bytes
         self.calls: list[ToolCall] = []
         self._lead_ws = ""
         self._content_started = False
@@ -231,7 +236,7 @@ class ChatStream:
     # -- feeding ------------------------------------------------------------------------
     def feed(self, delta: Delta) -> list[Out]:
         if delta.logprobs:
-            self._pending_lp.extend(logprob_entries(delta, self.token_text))
+            self._pending_lp.extend(logprob_entries(delta, self.token_text, self.token_bytes))
         out: list[Out] = []
         if delta.text:
             if self.splitter is None:

@@ -15,10 +15,20 @@ from starlette.responses import JSONResponse, Response
 from . import generation as gen
 from .constraints import openai_constraint
 from .errors import APIError, bad_request
-from .fields import (get_bool, get_dict, get_int, get_str, new_id, object_items, read_json, request_id,
-                     type_name)
+from .fields import (
+    get_bool,
+    get_dict,
+    get_int,
+    get_str,
+    new_id,
+    object_items,
+    read_json,
+    request_id,
+    type_name,
+)
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, openai_image_part
+from .schema_check import check_schema
 from .sse import DONE, SSEResponse, sse_data
 
 router = APIRouter()
@@ -172,9 +182,8 @@ def parse_tools(raw: Any) -> Optional[list[dict]]:
         if not isinstance(name, str) or not _TOOL_NAME_RE.fullmatch(name):
             raise bad_request(f"{p}.function.name must match [A-Za-z0-9_.-]{{1,128}}", param=f"{p}.function.name")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"{p}.function.parameters must be a JSON schema object",
-                              param=f"{p}.function.parameters")
+        if params is not None:
+            check_schema(params, f"{p}.function.parameters")
         strict = fn.get("strict", t.get("strict"))
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(f"{p}.function.strict must be a boolean", param=f"{p}.function.strict")
@@ -341,7 +350,8 @@ async def chat_completions(request: Request):
     headers = {"x-request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)
-    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text)
+    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text,
+                      token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "openai.chat", rid, len(prep.prompt_ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     cid, created = new_id("chatcmpl-"), int(time.time())
@@ -441,7 +451,7 @@ async def completions(request: Request):
     echo_text = ""
     if echo:
         echo_text = raw_prompt if isinstance(raw_prompt, str) else state.tok.decode(ids, skip_special_tokens=False)
-    conv = ChatStream(token_text=state.token_text, split_reasoning=False)
+    conv = ChatStream(token_text=state.token_text, split_reasoning=False, token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "openai.completions", rid, len(ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     cid, created = new_id("cmpl-"), int(time.time())

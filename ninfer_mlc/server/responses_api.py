@@ -335,7 +335,8 @@ async def create_response(request: Request):
     headers = {"x-request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)
-    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text)
+    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text,
+                      token_bytes=state.token_bytes)
     def on_done(d):
         gen.log_record(state, "openai.responses", rid, len(prep.prompt_ids), d, t0, req.stream)
 

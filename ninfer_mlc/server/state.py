@@ -34,6 +34,19 @@ class ServerConfig:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _byte_level_decoder() -> dict:
+    """GPT-2's printable-character -> byte table (the inverse of bytes_to_unicode)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
 class ServerState:
     """Shared by every route. ``engine`` is a started ``runtime.engine.Engine``."""
 
@@ -49,13 +62,14 @@ class ServerState:
         # render + tokenize off the event loop, bounded (server/prep_stage.py)
         self.prep = PrepStage(config.prep_workers, config.max_waiting_prep)
         self._max_token_bytes: Optional[int] = None
+        self._byte_decoder: Optional[dict] = None
+        self._tok_text: dict[int, str] = {}
 
     @property
     def max_token_bytes(self) -> int:
         if self._max_token_bytes is None:
             self._max_token_bytes = max_token_bytes(self.tok)
         return self._max_token_bytes
-        self._tok_text: dict[int, str] = {}
 
     def token_text(self, tid: int) -> str:
         s = self._tok_text.get(tid)
@@ -64,6 +78,17 @@ class ServerState:
             if len(self._tok_text) < 200_000:
                 self._tok_text[tid] = s
         return s
+
+    def token_bytes(self, tid: int) -> bytes:
+        """The raw bytes of one token. Byte-level BPE vocabularies spell each byte as one printable
+        character (GPT-2's table), so a token that is half a UTF-8 character maps back to its real bytes;
+        other tokenizers fall back to the UTF-8 of the token's text."""
+        if self._byte_decoder is None:
+            self._byte_decoder = _byte_level_decoder()
+        piece = self.tok.id_to_token(int(tid))
+        if piece is not None and all(c in self._byte_decoder for c in piece):
+            return bytes(self._byte_decoder[c] for c in piece)
+        return self.token_text(tid).encode("utf-8")
 
     def enter(self) -> None:
         self.http.enter()

@@ -189,6 +189,7 @@ class Scheduler:
                 r.cached_tokens = seq.length
                 r.checkpoints = self._checkpoints(r.req.prompt_ids, seq.length)
                 r.t_admit = time.monotonic()
+                r.sink.cached_tokens = seq.length
                 q_ms = (r.t_admit - r.t_submit) * 1000
                 self.counters.queue_time_ms_last = q_ms
                 self.counters.queue_time_ms_max = max(self.counters.queue_time_ms_max, q_ms)
