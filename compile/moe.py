@@ -72,7 +72,18 @@ class SparseMoeBlock(nn.Module):
         if not self.fold:
             self.shared_expert = MLP(cfg, dtype, intermediate=cfg.shared_expert_intermediate_size)
         self.topk_kernel = kernels.moe_topk(e, k, cfg.norm_topk_prob)
-        self.experts_kernel = kernels.moe_experts(d, inter, self.slots, k, self.pairs, dtype, self.weight_format)
+        self.grouped = getattr(kernels, "moe_align", None) is not None  # CUDA: pairs grouped by expert
+        if self.grouped:
+            self.align_kernel = kernels.moe_align(self.slots, k, self.pairs)
+            self.gate_up_kernel = kernels.moe_gate_up(d, inter, self.slots, self.pairs, dtype, self.weight_format)
+            self.down_kernel = kernels.moe_down(d, inter, self.slots, self.pairs, dtype, self.weight_format)
+            self.combine = {(res, sh): kernels.moe_combine(d, k, self.pairs, dtype, res, sh)
+                            for res in (False, True) for sh in (False, not self.fold)}
+            if None in (self.align_kernel, self.gate_up_kernel, self.down_kernel):
+                raise ValueError(f"no CUDA MoE kernels for {self.slots} expert slots, hidden {d}, experts {inter}, "
+                                 f"{dtype} {self.weight_format or ''}")
+        else:
+            self.experts_kernel = kernels.moe_experts(d, inter, self.slots, k, self.pairs, dtype, self.weight_format)
 
     def _router_logits(self, x: nn.Tensor) -> nn.Tensor:
         """[n, E + 1] fp32: expert logits and the shared expert's gate logit."""
@@ -88,6 +99,8 @@ class SparseMoeBlock(nn.Module):
         ids, w = op.tensor_ir_op(self.topk_kernel, "moe_topk", [logits],
                                  [nn.Tensor.placeholder((n, k + 1), "int32"),
                                   nn.Tensor.placeholder((n, k + 1), "float32")])
+        if self.grouped:
+            return self._grouped(x, ids, w, residual)
         weights = self.experts.gate_up_proj.buffers() + self.experts.down_proj.buffers()
         y = op.tensor_ir_op(self.experts_kernel, "moe_experts", [x, ids, w] + weights,
                             nn.Tensor.placeholder((n, self.cfg.hidden_size), self.dtype))
@@ -95,3 +108,19 @@ class SparseMoeBlock(nn.Module):
             sg = op.split(w, [k], axis=1)[1]
             y = y + (self.shared_expert(x).astype("float32") * sg).astype(self.dtype)
         return y if residual is None else residual + y
+
+    def _grouped(self, x, ids, w, residual):
+        """CUDA: pairs grouped by expert, the grouped GEMMs over the selected experts, one combine launch."""
+        cfg = self.cfg
+        n, npairs = x.shape[0], x.shape[0] * self.pairs
+        order, route = op.tensor_ir_op(self.align_kernel, "moe_align", [ids],
+                                       [nn.Tensor.placeholder((npairs,), "int32"),
+                                        nn.Tensor.placeholder((2 * self.slots + 2,), "int32")])
+        h = op.tensor_ir_op(self.gate_up_kernel, "moe_gate_up", [x, order, route] + self.experts.gate_up_proj.buffers(),
+                            nn.Tensor.placeholder((npairs, cfg.moe_intermediate_size), self.dtype))
+        y = op.tensor_ir_op(self.down_kernel, "moe_down", [h, order, route] + self.experts.down_proj.buffers(),
+                            nn.Tensor.placeholder((npairs, cfg.hidden_size), self.dtype))
+        extra = [] if self.fold else [self.shared_expert(x)]
+        res = [] if residual is None else [residual]
+        return op.tensor_ir_op(self.combine[(residual is not None, not self.fold)], "moe_combine", [y, w] + res + extra,
+                               nn.Tensor.placeholder((n, cfg.hidden_size), self.dtype))

@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, norm
+from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -34,6 +34,9 @@ DEFAULT_KERNELS = {
     # prefill GEMM (gemm_sm90.py, sm_90 only): tile columns, cp.async ring depth, grouped tile order, and
     # the row count up to which a call runs the decode GEMV's launch instead
     "gemm": {"bn": 256, "stages": 4, "group_m": 8, "small_rows": 32},
+    # grouped expert GEMMs (moe.py): warps splitting K, 16-bit K steps of 32 per warp iteration (NVFP4: half as
+    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert, and their unroll
+    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4, "big_unroll": 2},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",)}
@@ -105,4 +108,14 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
         gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
         if arch in ARCH_ONLY["gemm"] else None,
+        # mixture of experts (compile/moe.py; moe.py's docstring for the contracts): router top-k, pairs grouped
+        # by expert, grouped gate_up / down GEMMs over the selected experts, weighted combine (+ residual)
+        moe_topk=moe.moe_topk,
+        moe_align=moe.moe_align,
+        moe_gate_up=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
+            "gate_up", hidden, 2 * inter, slots, pairs, dtype, weight_format, **p["moe"]),
+        moe_down=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
+            "down", inter, hidden, slots, pairs, dtype, weight_format, **p["moe"]),
+        moe_combine=moe.moe_combine,
+        moe_experts=None,  # the llvm set's per-token kernel
     )
