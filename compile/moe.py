@@ -74,6 +74,7 @@ class SparseMoeBlock(nn.Module):
         self.topk_kernel = kernels.moe_topk(e, k, cfg.norm_topk_prob)
         self.grouped = getattr(kernels, "moe_align", None) is not None  # CUDA: pairs grouped by expert
         if self.grouped:
+            self.route_len = kernels.moe_route_len(self.slots)
             self.align_kernel = kernels.moe_align(self.slots, k, self.pairs)
             self.gate_up_kernel = kernels.moe_gate_up(d, inter, self.slots, self.pairs, dtype, self.weight_format)
             self.down_kernel = kernels.moe_down(d, inter, self.slots, self.pairs, dtype, self.weight_format)
@@ -115,7 +116,7 @@ class SparseMoeBlock(nn.Module):
         n, npairs = x.shape[0], x.shape[0] * self.pairs
         order, route = op.tensor_ir_op(self.align_kernel, "moe_align", [ids],
                                        [nn.Tensor.placeholder((npairs,), "int32"),
-                                        nn.Tensor.placeholder((2 * self.slots + 2,), "int32")])
+                                        nn.Tensor.placeholder((self.route_len,), "int32")])
         h = op.tensor_ir_op(self.gate_up_kernel, "moe_gate_up", [x, order, route] + self.experts.gate_up_proj.buffers(),
                             nn.Tensor.placeholder((npairs, cfg.moe_intermediate_size), self.dtype))
         y = op.tensor_ir_op(self.down_kernel, "moe_down", [h, order, route] + self.experts.down_proj.buffers(),

@@ -103,7 +103,7 @@ def test_moe_kernels_on_cpu_emulator_match_llvm(case, tmp_path):
     np.testing.assert_array_equal(ids, ids_ref)
     np.testing.assert_allclose(w, w_ref, rtol=1e-6, atol=1e-7)
 
-    order, route = np.full(n * P, -1, np.int32), np.full(2 * Ex + 2, -1, np.int32)
+    order, route = np.full(n * P, -1, np.int32), np.full(M.route_len(Ex), -1, np.int32)
     lib("align", dict(ids=ids, order=order, route=route), dict(n=n))
     flat = ids[:, :P].reshape(-1)
     assert sorted(order.tolist()) == list(range(n * P))
@@ -113,6 +113,8 @@ def test_moe_kernels_on_cpu_emulator_match_llvm(case, tmp_path):
     assert route[Ex + 1] == len(used) and route[Ex + 2:Ex + 2 + len(used)].tolist() == used.tolist()
     for e in used:  # every pair sits in its expert's range
         assert set(flat[order[route[e]:route[e + 1]]].tolist()) == {e}
+    tiles = -(-counts[used] // M.TILE_ROWS)  # row tiles of the wgmma launch before each used expert, then the total
+    assert route[2 * Ex + 2:2 * Ex + 3 + len(used)].tolist() == [0] + np.cumsum(tiles).tolist()
 
     h = np.full((n * P, I), np.nan, np.float32).astype(dt)
     y = np.full((n * P, D), np.nan, np.float32).astype(dt)
@@ -200,3 +202,37 @@ def test_moe_35b_kernels_compile(tmp_path, arch):
                            capture_output=True, text=True, check=True)
         spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
         assert spills and set(spills) == {"0"}, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
+    """sm_90: the 35B-A3B gate_up / down with large groups launch the grouped wgmma kernel (gemm_sm90's tile:
+    128 accumulators in registers, no stack, no spills, no wgmma serialization) next to the mma.sync passes."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.kernels.cuda import registry
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    tgt = parse_target("cuda:sm_90").tvm_target()
+    with tgt:
+        ks = registry.kernel_set()
+    funcs = {"gu": ks.moe_gate_up(2048, 512, 257, 9, "bfloat16"), "dn": ks.moe_down(2048, 512, 257, 9, "bfloat16")}
+    for f in funcs.values():
+        assert "if npairs >= T.int64(12336)" in f.script()  # 48 pairs per expert slot on average
+    with parse_target("cuda:sm_120").tvm_target():
+        assert "wgmma" not in registry.kernel_set().moe_gate_up(2048, 512, 257, 9, "bfloat16").script()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=tgt)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert src.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2
+    (tmp_path / "m.cu").write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                        str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")], capture_output=True, text=True,
+                       check=True)
+    assert "C7514" not in r.stderr and "C7510" not in r.stderr, r.stderr
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
+    assert len(frames) == 4 and all(s == "0" for _, s in frames), r.stderr
+    wg = re.findall(r"Function properties for (\w+_kernel(?:_\d)?)\n\s+(\d+) bytes stack frame", r.stderr)
+    assert wg and all(fr == "0" for _, fr in wg), r.stderr

@@ -7,11 +7,13 @@ shared expert when it is folded into the expert arrays):
   moe_topk(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32
       one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
       (larger p, then lower index), renormalised when `norm`; column K = (E, sigmoid(logits[E])).
-  moe_align(ids) -> order[n*P] i32, route[2*Ex + 2] i32
+  moe_align(ids) -> order[n*P] i32, route[route_len(Ex)] i32
       one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
       expert, route[e] .. route[e+1] = expert e's range in order (route[Ex] = n*P), route[Ex+1] = U, the number
-      of experts with pairs, route[Ex+2 .. Ex+2+U) = those experts ascending. Order inside a group is free:
-      every pair's result is computed alone (a GEMM column), so it does not change the numbers.
+      of experts with pairs, route[Ex+2 .. Ex+2+U) = those experts ascending, route[2Ex+2 + u] = row tiles of
+      TILE_ROWS pairs before the u-th of them (u = 0 .. U: the last is the total; the sm_90 wgmma launch maps its
+      blocks through it, compile/kernels/cuda/moe_sm90.py). Order inside a group is free: every pair's result is
+      computed alone (a GEMM row / column), so it does not change the numbers.
   moe_gate_up(x[n, D], order, route, gate_up[Ex, 2I, D]...) -> h[n*P, I]
       h[s] = round(silu(round(g)) * round(u)) for the pair at position s of order (x row order[s] / P).
   moe_down(h, order, route, down[Ex, D, I]...) -> y[n*P, D]
@@ -40,7 +42,7 @@ from functools import lru_cache
 
 from tvm.script import tirx as T
 
-from . import attention
+from . import attention, moe_sm90
 from . import gemv as gemv_kernels
 
 _CT = {"bfloat16": "nv_bfloat16", "float16": "half", "float32": "float"}
@@ -182,6 +184,13 @@ def moe_topk(n_experts: int, top_k: int, norm: bool):
 
 # ---------------------------------------------------------------------------------------------
 # pairs grouped by expert
+from .moe_sm90 import TILE_ROWS  # noqa: E402 - pairs per row tile of the sm_90 wgmma launch
+
+
+def route_len(slots: int) -> int:
+    return 3 * slots + 3
+
+
 def align_threads(slots: int) -> int:
     nt = 128
     while nt < slots:
@@ -199,28 +208,34 @@ __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restr
   __shared__ int cur[{Ex}];
   __shared__ int sa[{NT}];
   __shared__ int sb[{NT}];
+  __shared__ int sc[{NT}];
   const int tid = threadIdx.x, np = n * {P};
   for (int e = tid; e < {Ex}; e += {NT}) cnt[e] = 0;
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) ninfer_moe_atomic_add(&cnt[ids[q / {P} * {K + 1} + q % {P}]], 1);
   __syncthreads();
-  const int v = tid < {Ex} ? cnt[tid] : 0;
+  const int v = tid < {Ex} ? cnt[tid] : 0, vt = (v + {TILE_ROWS - 1}) / {TILE_ROWS};
   sa[tid] = v;
   sb[tid] = v > 0;
+  sc[tid] = vt;
   __syncthreads();
-  for (int d = 1; d < {NT}; d <<= 1) {{  // inclusive scans of the counts and of the used flags
-    const int ta = tid >= d ? sa[tid - d] : 0, tb = tid >= d ? sb[tid - d] : 0;
+  for (int d = 1; d < {NT}; d <<= 1) {{  // inclusive scans of the counts, the used flags and the row tiles
+    const int ta = tid >= d ? sa[tid - d] : 0, tb = tid >= d ? sb[tid - d] : 0, tc = tid >= d ? sc[tid - d] : 0;
     __syncthreads();
     sa[tid] += ta;
     sb[tid] += tb;
+    sc[tid] += tc;
     __syncthreads();
   }}
   if (tid < {Ex}) {{
     route[tid] = sa[tid] - v;
     cur[tid] = sa[tid] - v;
-    if (v > 0) route[{Ex + 2} + sb[tid] - 1] = tid;
+    if (v > 0) {{
+      route[{Ex + 2} + sb[tid] - 1] = tid;
+      route[{2 * Ex + 2} + sb[tid] - 1] = sc[tid] - vt;
+    }}
   }}
-  if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; }}
+  if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; route[{2 * Ex + 2} + sb[tid]] = sc[tid]; }}
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;
 }}""")
@@ -241,7 +256,7 @@ def moe_align(n_slots: int, top_k: int, pairs: int):
         n = T.int64()
         ids = T.match_buffer(var_ids, (n, K + 1), "int32")
         order = T.match_buffer(var_order, (n * P,), "int32")
-        route = T.match_buffer(var_route, (2 * Ex + 2,), "int32")
+        route = T.match_buffer(var_route, (route_len(Ex),), "int32")
         with T.sblock("root"):
             for b in T.thread_binding(1, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
@@ -499,7 +514,7 @@ __device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const int* __
 
 
 def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: bool, run):
-    """prim_func(x[rows, K], order[n*P], route[2Ex+2], weights..., out[n*P, OO]); rows = n (gate_up) or n*P (down)
+    """prim_func(x[rows, K], order[n*P], route, weights..., out[n*P, OO]); rows = n (gate_up) or n*P (down)
     is the first buffer's extent, so both kinds share one signature: x rows are given as `xr`."""
     if nvfp4:
         @T.prim_func
@@ -510,13 +525,13 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
             xr = T.int64()
             x = T.match_buffer(var_x, (xr, K), dtype)
             order = T.match_buffer(var_order, (npairs,), "int32")
-            route = T.match_buffer(var_route, (2 * Ex + 2,), "int32")
+            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
             wq = T.match_buffer(var_wq, (Ex, O, K // 2), "uint8")
             wsc = T.match_buffer(var_wsc, (Ex, O, K // 16), "uint8")
             wg = T.match_buffer(var_wg, (Ex, O), "float32")
             out = T.match_buffer(var_out, (npairs, OO), dtype)
             run(npairs, x, order, route, [T.address_of(wq[0, 0, 0]), T.address_of(wsc[0, 0, 0]),
-                                          T.address_of(wg[0, 0])], out)
+                                          T.address_of(wg[0, 0])], out, wq)
     else:
         @T.prim_func
         def f(var_x: T.handle, var_order: T.handle, var_route: T.handle, var_w: T.handle, var_out: T.handle):
@@ -525,18 +540,22 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
             xr = T.int64()
             x = T.match_buffer(var_x, (xr, K), dtype)
             order = T.match_buffer(var_order, (npairs,), "int32")
-            route = T.match_buffer(var_route, (2 * Ex + 2,), "int32")
+            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
             w = T.match_buffer(var_w, (Ex, O, K), dtype)
             out = T.match_buffer(var_out, (npairs, OO), dtype)
-            run(npairs, x, order, route, [T.address_of(w[0, 0, 0])], out)
+            run(npairs, x, order, route, [T.address_of(w[0, 0, 0])], out, w)
     return f
 
 
 @lru_cache(maxsize=None)
 def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str, weight_format: str | None, *,
-                warps: int = 4, unroll: int = 4, big_tiles: int = 4, big_unroll: int = 2):
+                warps: int = 4, unroll: int = 4, big_tiles: int = 4, big_unroll: int = 2,
+                wgmma: tuple | None = None):
     """moe_gate_up (kind "gate_up": x [n, K], weights [Ex, O = 2I, K], out h [n*P, O/2]) or moe_down (kind "down":
-    x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies."""
+    x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies.
+    wgmma: (bn, stages, rows_per_expert) on sm_90: calls with at least rows_per_expert pairs per expert slot on
+    average launch moe_sm90's grouped wgmma kernel instead (16-bit weights): its 128-row tiles pay off once the
+    groups are large (prefill chunks of thousands of tokens), the mma.sync passes read each weight once below."""
     silu = kind == "gate_up"
     nvfp4 = weight_format == "nvfp4"
     if weight_format not in (None, "nvfp4") or dtype not in _CT or (silu and O % 2) or (nvfp4 and K % 16):
@@ -555,13 +574,29 @@ def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str,
     NT = gemm_threads(path, warps)
 
     @T.macro
-    def run(npairs, x, order, route, wptrs, out):
+    def small(npairs, x, order, route, wptrs, out):
         for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
             for bx in T.thread_binding(TILES, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     T.evaluate(T.cuda.func_call(name, T.address_of(x[0, 0]), T.address_of(order[0]),
                                                 T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
                                                 source_code=src))
+
+    if wgmma is not None and path == "mma" and moe_sm90.applies(K, O, dtype, silu, wgmma[0], wgmma[1]):
+        bn, stages, per_expert = wgmma
+        min_pairs = per_expert * Ex
+        big = moe_sm90.grouped_launch(name + "_wgmma", K, O, Ex, P, dtype, silu, bn=bn, stages=stages)
+
+        @T.macro
+        def run(npairs, x, order, route, wptrs, out, w):
+            if npairs >= min_pairs:
+                big(npairs, x, order, route, w, out)
+            else:
+                small(npairs, x, order, route, wptrs, out)
+    else:
+        @T.macro
+        def run(npairs, x, order, route, wptrs, out, w):
+            small(npairs, x, order, route, wptrs, out)
 
     return _opaque(_expert_entry(K, O, OO, Ex, P, dtype, nvfp4, run), name)
 
