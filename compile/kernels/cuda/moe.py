@@ -27,7 +27,9 @@ batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.p
 (gate_up: 8 gate rows and their 8 up rows, so silu_mul pairs them in one thread) as the A operand of
 mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
 loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
-passes of 8 * big_tiles columns. NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
+passes of 8 * big_tiles columns. Both pass widths split K the same way (one unroll), so a pair's sums do not
+depend on where in its group moe_align's atomics put it: the results are deterministic (CUDA graph replays
+equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
 in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
 byte_perm, row scale * 2^7 in the epilogue). Other dtypes / shapes (f32 models, K % 8 != 0): an FMA path, one
 thread per (row, column) of a pass.
@@ -308,8 +310,9 @@ def _weight_decl(ct: str, nvfp4: bool) -> str:
 
 
 def _mma_pass(name: str, K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: bool, warps: int,
-              big_tiles: int) -> str:
-    """template <NB batch tiles, UU K steps per warp iteration> one pass of up to 8 * NB pairs of expert e."""
+              big_tiles: int, unroll: int) -> str:
+    """template <NB batch tiles, UU K steps loaded at a time> one pass of up to 8 * NB pairs of expert e."""
+    U = unroll
     OO = O // 2 if silu else O
     ct, t = _CT[dtype], _MMA_T[dtype]
     NW, NBT = warps, big_tiles
@@ -332,7 +335,7 @@ def _mma_pass(name: str, K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: 
   const float* ge = wg + (long long)e * {O};"""
         body = f"""
     for (int uu = 0; uu < UU; ++uu) {{
-      const int k0 = (it * UU + uu) * {STEP} + q * 32;  // 32 codes of rows lo / hi and their 2 block scales
+      const int k0 = (it * {U} + sub + uu) * {STEP} + q * 32;  // 32 codes of rows lo / hi and their 2 block scales
       const bool kok = {kok};
       uint4 cl = make_uint4(0u, 0u, 0u, 0u), ch = make_uint4(0u, 0u, 0u, 0u);
       unsigned sl = 0u, sh = 0u;
@@ -370,7 +373,7 @@ def _mma_pass(name: str, K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: 
     uint4 wl[UU], wh[UU], xv[NB][UU];
 #pragma unroll
     for (int uu = 0; uu < UU; ++uu) {{  // 8 elements of weight rows lo / hi and of each batch tile's x row g
-      const int k0 = (it * UU + uu) * {STEP} + q * 8;
+      const int k0 = (it * {U} + sub + uu) * {STEP} + q * 8;
       const bool kok = {kok};
       wl[uu] = kok && lo_ok ? ninfer_moe_ldw(wlo + k0) : make_uint4(0u, 0u, 0u, 0u);
       wh[uu] = kok && hi_ok ? ninfer_moe_ldw(whi + k0) : make_uint4(0u, 0u, 0u, 0u);
@@ -415,7 +418,9 @@ template <int NB, int UU>
 __device__ __forceinline__ void {name}_pass(const {ct}* __restrict__ x, const int* __restrict__ order,
     {_weight_decl(ct, nvfp4)}, {ct}* __restrict__ out, const int e, const int s0, const int cnt, const int c0,
     float* part) {{
-  constexpr int ITS = ({K} + {STEP} * UU - 1) / ({STEP} * UU);  // K chunks; warp w takes w, w + {NW}, ...
+  // K chunks of {U} steps; warp w takes chunks w, w + {NW}, ..., loading UU steps at a time: every pass width splits
+  // and orders the K sums the same way
+  constexpr int ITS = ({K} + {STEP * U - 1}) / {STEP * U};
   const int tile = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
   {rows}{wsetup}
   const {ct}* xp[NB];
@@ -431,8 +436,10 @@ __device__ __forceinline__ void {name}_pass(const {ct}* __restrict__ x, const in
   for (int bt = 0; bt < NB; ++bt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[bt][i] = 0.f;
-  for (int it = warp; it < ITS; it += {NW}) {{{body}
-  }}
+  for (int it = warp; it < ITS; it += {NW})
+#pragma unroll
+    for (int sub = 0; sub < {U}; sub += UU) {{{body}
+    }}
 #pragma unroll
   for (int bt = 0; bt < NB; ++bt)
 #pragma unroll
@@ -483,7 +490,7 @@ def _fma_body(K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: bool) -> st
 
 
 def gemm_source(name: str, K: int, O: int, Ex: int, P: int, dtype: str, silu: bool, nvfp4: bool, *, warps: int,
-                unroll: int, big_tiles: int, big_unroll: int) -> str:
+                unroll: int, big_tiles: int) -> str:
     """CUDA of the grouped expert GEMM `name`(x, order, route, weights, out) (module docstring)."""
     path = gemm_path(K, dtype, nvfp4)
     ct = _CT[dtype]
@@ -504,13 +511,13 @@ __device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const int* __
       {name}_pass<1, {unroll}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
       c0 += 8;
     }} else {{
-      {name}_pass<{big_tiles}, {big_unroll}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
+      {name}_pass<{big_tiles}, {max(1, unroll // 2)}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
       c0 += {8 * big_tiles};
     }}
   }}
 }}"""
     helpers = _mma_helper(_MMA_T[dtype]) + _LDW + ((_BF16X2 + _DQ32) if nvfp4 else "")
-    return helpers + _src(name, _mma_pass(name, K, O, P, dtype, silu, nvfp4, warps, big_tiles) + main)
+    return helpers + _src(name, _mma_pass(name, K, O, P, dtype, silu, nvfp4, warps, big_tiles, unroll) + main)
 
 
 def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: bool, run):
@@ -549,7 +556,7 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
 
 @lru_cache(maxsize=None)
 def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str, weight_format: str | None, *,
-                warps: int = 4, unroll: int = 4, big_tiles: int = 4, big_unroll: int = 2,
+                warps: int = 4, unroll: int = 4, big_tiles: int = 4,
                 wgmma: tuple | None = None):
     """moe_gate_up (kind "gate_up": x [n, K], weights [Ex, O = 2I, K], out h [n*P, O/2]) or moe_down (kind "down":
     x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies.
@@ -564,12 +571,11 @@ def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str,
     path = gemm_path(K, dtype, nvfp4)
     OO = O // 2 if silu else O
     tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
-                  f"{big_tiles}{big_unroll}")
+                  f"{big_tiles}")
     name = f"ninfer_moe_{tag}"
     if path == "nvfp4":  # unroll counts 128-element K steps there
-        unroll, big_unroll = max(1, unroll // 2), max(1, big_unroll // 2)
-    src = gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=big_tiles,
-                      big_unroll=big_unroll)
+        unroll = max(1, unroll // 2)
+    src = gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=big_tiles)
     TILES = gemm_tiles(O, silu, path)
     NT = gemm_threads(path, warps)
 

@@ -35,8 +35,8 @@ DEFAULT_KERNELS = {
     # the row count up to which a call runs the decode GEMV's launch instead
     "gemm": {"bn": 256, "stages": 4, "group_m": 8, "small_rows": 32},
     # grouped expert GEMMs (moe.py): warps splitting K, 16-bit K steps of 32 per warp iteration (NVFP4: half as
-    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert, and their unroll
-    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4, "big_unroll": 2},
+    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert
+    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4},
     # sm_90: calls of the grouped expert GEMMs with at least rows_per_expert (token, expert) pairs per expert slot
     # on average run the wgmma kernel (moe_sm90.py, gemm's tile with bn columns and a stages-deep ring) instead
     # of the mma.sync passes
