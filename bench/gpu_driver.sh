@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec sass hf
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec moe sass hf
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,8 @@ for step in "$@"; do
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;
+    moe) [ -d .gpu/moe ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check .gpu/moe $OUT/moe_check.json
+         run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench .gpu/moe $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)
       { for f in .gpu/sass/*.fatbin; do

@@ -14,7 +14,7 @@ of the same arrays and routed to every token with weight sigmoid(gate): one expe
 
 The kernel set decides how the experts run (compile/kernels/moe.py for the contract):
   llvm: moe_topk, then moe_experts (each token reads its selected experts directly).
-  CUDA: moe_topk, moe_align (pairs sorted by expert), moe_gate_up / moe_down over the experts the batch
+  CUDA: moe_route (top-k, pairs sorted by expert), moe_gate_up / moe_down over the experts the batch
         selected (compile/kernels/cuda/moe.py), moe_combine (weighted sum + residual in one pass).
 """
 from __future__ import annotations
@@ -71,19 +71,19 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(self.slots, d, inter, dtype, nvfp4)
         if not self.fold:
             self.shared_expert = MLP(cfg, dtype, intermediate=cfg.shared_expert_intermediate_size)
-        self.topk_kernel = kernels.moe_topk(e, k, cfg.norm_topk_prob)
-        self.grouped = getattr(kernels, "moe_align", None) is not None  # CUDA: pairs grouped by expert
+        self.grouped = getattr(kernels, "moe_route", None) is not None  # CUDA: pairs grouped by expert
         if self.grouped:
             self.route_len = kernels.moe_route_len(self.slots)
-            self.align_kernel = kernels.moe_align(self.slots, k, self.pairs)
+            self.route_kernel = kernels.moe_route(e, k, cfg.norm_topk_prob, self.slots, self.pairs)
             self.gate_up_kernel = kernels.moe_gate_up(d, inter, self.slots, self.pairs, dtype, self.weight_format)
             self.down_kernel = kernels.moe_down(d, inter, self.slots, self.pairs, dtype, self.weight_format)
             self.combine = {(res, sh): kernels.moe_combine(d, k, self.pairs, dtype, res, sh)
                             for res in (False, True) for sh in (False, not self.fold)}
-            if None in (self.align_kernel, self.gate_up_kernel, self.down_kernel):
+            if None in (self.route_kernel, self.gate_up_kernel, self.down_kernel):
                 raise ValueError(f"no CUDA MoE kernels for {self.slots} expert slots, hidden {d}, experts {inter}, "
                                  f"{dtype} {self.weight_format or ''}")
         else:
+            self.topk_kernel = kernels.moe_topk(e, k, cfg.norm_topk_prob)
             self.experts_kernel = kernels.moe_experts(d, inter, self.slots, k, self.pairs, dtype, self.weight_format)
 
     def _router_logits(self, x: nn.Tensor) -> nn.Tensor:
@@ -97,11 +97,11 @@ class SparseMoeBlock(nn.Module):
         """x [n, D] (post-attention norm); residual: return residual + moe(x)."""
         n, k = x.shape[0], self.cfg.num_experts_per_tok
         logits = self._router_logits(x)
+        if self.grouped:
+            return self._grouped(x, logits, residual)
         ids, w = op.tensor_ir_op(self.topk_kernel, "moe_topk", [logits],
                                  [nn.Tensor.placeholder((n, k + 1), "int32"),
                                   nn.Tensor.placeholder((n, k + 1), "float32")])
-        if self.grouped:
-            return self._grouped(x, ids, w, residual)
         weights = self.experts.gate_up_proj.buffers() + self.experts.down_proj.buffers()
         y = op.tensor_ir_op(self.experts_kernel, "moe_experts", [x, ids, w] + weights,
                             nn.Tensor.placeholder((n, self.cfg.hidden_size), self.dtype))
@@ -110,13 +110,14 @@ class SparseMoeBlock(nn.Module):
             y = y + (self.shared_expert(x).astype("float32") * sg).astype(self.dtype)
         return y if residual is None else residual + y
 
-    def _grouped(self, x, ids, w, residual):
-        """CUDA: pairs grouped by expert, the grouped GEMMs over the selected experts, one combine launch."""
+    def _grouped(self, x, logits, residual):
+        """CUDA: top-k and pairs grouped by expert, the grouped GEMMs over the selected experts, one combine."""
         cfg = self.cfg
-        n, npairs = x.shape[0], x.shape[0] * self.pairs
-        order, route = op.tensor_ir_op(self.align_kernel, "moe_align", [ids],
-                                       [nn.Tensor.placeholder((npairs,), "int32"),
-                                        nn.Tensor.placeholder((self.route_len,), "int32")])
+        n, k, npairs = x.shape[0], cfg.num_experts_per_tok, x.shape[0] * self.pairs
+        _, w, order, route = op.tensor_ir_op(
+            self.route_kernel, "moe_route", [logits],
+            [nn.Tensor.placeholder((n, k + 1), "int32"), nn.Tensor.placeholder((n, k + 1), "float32"),
+             nn.Tensor.placeholder((npairs,), "int32"), nn.Tensor.placeholder((self.route_len,), "int32")])
         h = op.tensor_ir_op(self.gate_up_kernel, "moe_gate_up", [x, order, route] + self.experts.gate_up_proj.buffers(),
                             nn.Tensor.placeholder((npairs, cfg.moe_intermediate_size), self.dtype))
         y = op.tensor_ir_op(self.down_kernel, "moe_down", [h, order, route] + self.experts.down_proj.buffers(),

@@ -1,6 +1,6 @@
 """The CUDA MoE kernels (compile/kernels/cuda/moe.py) as generated CUDA on the CPU emulator of
-bench/attn_gpu_check.py, against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k,
-the expert grouping, the grouped gate_up / down GEMMs (tensor-core, NVFP4 in-register dequantization and FMA
+bench/attn_gpu_check.py, against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
+the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core, NVFP4 in-register dequantization and FMA
 paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders) and the combine; plus the wiring of the
 MoE block on CUDA and a compile check of the 35B-A3B shapes for sm_90 / sm_120."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _quantized_experts(rng, ex, out_f, in_f):
 # (name, E, K, D, I, shared I (None: folded), dtype, weight format, n tokens)
 CASES = [
     ("bf16_decode", 8, 2, 64, 32, None, "bfloat16", None, 5),
-    ("bf16_prefill_big_passes", 8, 2, 64, 32, None, "bfloat16", None, 61),
+    ("bf16_prefill_big_passes", 8, 2, 64, 32, None, "bfloat16", None, 70),  # > ROUTE_FUSED_MAX: 2 route launches
     ("bf16_k_row_remainders", 6, 3, 72, 20, 48, "bfloat16", None, 9),  # K % 128, rows % 16 / % 8, down K % 8 -> fma
     ("bf16_down_rows", 8, 2, 72, 24, None, "bfloat16", None, 12),  # down rows % 16, K % 128 on the mma path
     ("f16_mma", 8, 4, 64, 24, None, "float16", None, 7),
@@ -93,18 +93,18 @@ def test_moe_kernels_on_cpu_emulator_match_llvm(case, tmp_path):
     want = _run_llvm(lib, "experts", x, ids_ref, w_ref, *gu, *dn, np.zeros((n, D), dt))[-1].astype(np.float32)
 
     gemm = dict(warps=2, unroll=2, big_tiles=2) if case[0] == "bf16_prefill_big_passes" else {}
-    funcs = {"topk": M.moe_topk(E, K, norm), "align": M.moe_align(Ex, K, P),
+    funcs = {"route": M.moe_route(E, K, norm, Ex, P),
              "gu": M.expert_gemm("gate_up", D, 2 * I, Ex, P, dtype, fmt, **gemm),
              "dn": M.expert_gemm("down", I, D, Ex, P, dtype, fmt, **gemm),
              "comb": M.moe_combine(D, K, P, dtype, True, not fold), "bare": M.moe_combine(D, K, P, dtype, False, False)}
     lib = C.EmuLib({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}, workdir=tmp_path)
     ids, w = np.full((n, K + 1), -1, np.int32), np.full((n, K + 1), np.nan, np.float32)
-    lib("topk", dict(logits=logits, ids=ids, w=w), dict(n=n))
+    order, route = np.full(n * P, -1, np.int32), np.full(M.route_len(Ex), -1, np.int32)
+    lib("route", dict(logits=logits, ids=ids, w=w, order=order, route=route), dict(n=n))
+    assert len(lib.launches["route"]) == 3  # one block up to ROUTE_FUSED_MAX tokens, else top-k then align
     np.testing.assert_array_equal(ids, ids_ref)
     np.testing.assert_allclose(w, w_ref, rtol=1e-6, atol=1e-7)
 
-    order, route = np.full(n * P, -1, np.int32), np.full(M.route_len(Ex), -1, np.int32)
-    lib("align", dict(ids=ids, order=order, route=route), dict(n=n))
     flat = ids[:, :P].reshape(-1)
     assert sorted(order.tolist()) == list(range(n * P))
     counts = np.bincount(flat, minlength=Ex)
@@ -166,7 +166,7 @@ def test_moe_block_uses_the_cuda_kernels():
     mod = m.export_tvm(spec=m.export_spec())[0]
     for fn in ("decode", "prefill", "verify", "mtp_step", "mtp_step_sl"):
         calls = re.findall(r"call_tir\((?:cls\.)?(\w+)", mod[fn].script())
-        for k in ("moe_topk", "moe_align", "moe_gate_up", "moe_down", "moe_combine"):
+        for k in ("moe_route", "moe_gate_up", "moe_down", "moe_combine"):
             assert sum(c.startswith(k) for c in calls) == (1 if fn.startswith("mtp") else 4), (fn, k)
         combine = [c for c in calls if c.startswith("moe_combine")]
         assert all(c.endswith("_res") for c in combine) == (fn != "mtp_step_sl"), (fn, combine)
@@ -190,8 +190,7 @@ def test_moe_35b_kernels_compile(tmp_path, arch):
     from ninfer_mlc.compile.targets import cuda_build_env, parse_target
 
     E, K, D, I = 256, 8, 2048, 512
-    funcs = {"topk": M.moe_topk(E, K, True), "align": M.moe_align(E + 1, K, K + 1),
-             "comb": M.moe_combine(D, K, K + 1, "bfloat16", True, False)}
+    funcs = {"route": M.moe_route(E, K, True, E + 1, K + 1), "comb": M.moe_combine(D, K, K + 1, "bfloat16", True, False)}
     for fmt in (None, "nvfp4"):
         funcs[f"gu_{fmt}"] = M.expert_gemm("gate_up", D, 2 * I, E + 1, K + 1, "bfloat16", fmt)
         funcs[f"dn_{fmt}"] = M.expert_gemm("down", I, D, E + 1, K + 1, "bfloat16", fmt)

@@ -4,11 +4,11 @@ compile/moe.py composes them (the llvm set instead runs compile/kernels/moe.py's
 numerics contract is that file's). A token t has P (expert, weight) pairs p = t * P + j (the top-k, plus the
 shared expert when it is folded into the expert arrays):
 
-  moe_topk(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32
-      one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
+  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex)] i32
+      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch:
+    top-k: one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
       (larger p, then lower index), renormalised when `norm`; column K = (E, sigmoid(logits[E])).
-  moe_align(ids) -> order[n*P] i32, route[route_len(Ex)] i32
-      one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
+    align: one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
       expert, route[e] .. route[e+1] = expert e's range in order (route[Ex] = n*P), route[Ex+1] = U, the number
       of experts with pairs, route[Ex+2 .. Ex+2+U) = those experts ascending, route[2Ex+2 + u] = row tiles of
       TILE_ROWS pairs before the u-th of them (u = 0 .. U: the last is the total; the sm_90 wgmma launch maps its
@@ -28,7 +28,7 @@ batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.p
 mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
 loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
 passes of 8 * big_tiles columns. Both pass widths split K the same way (one unroll), so a pair's sums do not
-depend on where in its group moe_align's atomics put it: the results are deterministic (CUDA graph replays
+depend on where in its group the align step's atomics put it: the results are deterministic (CUDA graph replays
 equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
 in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
 byte_perm, row scale * 2^7 in the epilogue). Other dtypes / shapes (f32 models, K % 8 != 0): an FMA path, one
@@ -107,12 +107,9 @@ def _c(v: float) -> str:
 def topk_source(name: str, E: int, K: int, norm: bool) -> str:
     EPL = (E + 31) // 32
     return _src(name, f"""
-// one warp per token: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate
-__device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids,
-                                       float* __restrict__ w, int n) {{
-  const int lane = threadIdx.x & 31;
-  const int t = blockIdx.x * {TOPK_WARPS} + (threadIdx.x >> 5);
-  if (t >= n) return;  // the whole warp
+// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate
+__device__ __forceinline__ void {name}_token(const float* __restrict__ logits, int* __restrict__ ids,
+                                             float* __restrict__ w, const int t, const int lane) {{
   const float* l = logits + (long long)t * {E + 1};
   float p[{EPL}];
   float m = -INFINITY;
@@ -158,30 +155,13 @@ __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __
     ids[t * {K + 1} + {K}] = {E};
     w[t * {K + 1} + {K}] = __fdiv_rn(1.f, 1.f + expf(-l[{E}]));
   }}
+}}
+
+__device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids,
+                                       float* __restrict__ w, int n) {{
+  const int t = blockIdx.x * {TOPK_WARPS} + (threadIdx.x >> 5);
+  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31);  // the whole warp
 }}""")
-
-
-@lru_cache(maxsize=None)
-def moe_topk(n_experts: int, top_k: int, norm: bool):
-    E, K = int(n_experts), int(top_k)
-    name = f"ninfer_moe_topk_e{E}_k{K}_{'n' if norm else 'r'}"
-    src = topk_source(name, E, K, bool(norm))
-
-    # one input: relax's reshape-pattern check (RewriteDataflowReshape) needs a root block
-    @T.prim_func(s_tir=True)
-    def topk(var_logits: T.handle, var_ids: T.handle, var_w: T.handle):
-        T.func_attr({"tirx.noalias": True})
-        n = T.int64()
-        logits = T.match_buffer(var_logits, (n, E + 1), "float32")
-        ids = T.match_buffer(var_ids, (n, K + 1), "int32")
-        w = T.match_buffer(var_w, (n, K + 1), "float32")
-        with T.sblock("root"):
-            for b in T.thread_binding((n + TOPK_WARPS - 1) // TOPK_WARPS, thread="blockIdx.x"):
-                for tx in T.thread_binding(32 * TOPK_WARPS, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(name, T.address_of(logits[0, 0]), T.address_of(ids[0, 0]),
-                                                T.address_of(w[0, 0]), T.Cast("int32", n), source_code=src))
-
-    return _opaque(topk, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,29 +223,59 @@ __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restr
 }}""")
 
 
+ROUTE_FUSED_MAX = 64  # tokens up to which moe_route is one block (decode, verify rows)
+
+
 @lru_cache(maxsize=None)
-def moe_align(n_slots: int, top_k: int, pairs: int):
-    Ex, K, P = int(n_slots), int(top_k), int(pairs)
+def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int):
+    """Router top-k then the pairs grouped by expert: logits -> ids, w, order, route. Up to ROUTE_FUSED_MAX tokens one
+    block does both (its warps take the tokens' top-k, a barrier, then the counting sort: one launch per decode
+    layer instead of two); more tokens launch the two kernels."""
+    E, K, Ex, P = int(n_experts), int(top_k), int(n_slots), int(pairs)
     if Ex > 1024:
         return None
-    name = f"ninfer_moe_align_s{Ex}_k{K}_p{P}"
-    src = _ATOMIC + align_source(name, Ex, K, P)
+    tname = f"ninfer_moe_topk_e{E}_k{K}_{'n' if norm else 'r'}"
+    aname = f"ninfer_moe_align_s{Ex}_k{K}_p{P}"
+    name = f"ninfer_moe_route_e{E}_k{K}_{'n' if norm else 'r'}_s{Ex}_p{P}"
     NT = align_threads(Ex)
+    tsrc = topk_source(tname, E, K, bool(norm))
+    asrc = _ATOMIC + align_source(aname, Ex, K, P)
+    src = tsrc + asrc + _src(name, f"""
+__device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ w,
+                                       int* __restrict__ order, int* __restrict__ route, int n) {{
+  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31);
+  __syncthreads();  // the block's global writes of ids are visible to it past the barrier
+  {aname}(ids, order, route, n);
+}}""")
 
-    @T.prim_func(s_tir=True)  # one input: a root block, as moe_topk
-    def align(var_ids: T.handle, var_order: T.handle, var_route: T.handle):
+    # one input: relax's reshape-pattern check (RewriteDataflowReshape) needs a root block
+    @T.prim_func(s_tir=True)
+    def route_f(var_logits: T.handle, var_ids: T.handle, var_w: T.handle, var_order: T.handle, var_route: T.handle):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
+        logits = T.match_buffer(var_logits, (n, E + 1), "float32")
         ids = T.match_buffer(var_ids, (n, K + 1), "int32")
+        w = T.match_buffer(var_w, (n, K + 1), "float32")
         order = T.match_buffer(var_order, (n * P,), "int32")
         route = T.match_buffer(var_route, (route_len(Ex),), "int32")
         with T.sblock("root"):
-            for b in T.thread_binding(1, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(name, T.address_of(ids[0, 0]), T.address_of(order[0]),
-                                                T.address_of(route[0]), T.Cast("int32", n), source_code=src))
+            if n <= ROUTE_FUSED_MAX:
+                for b in T.thread_binding(1, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(name, T.address_of(logits[0, 0]), T.address_of(ids[0, 0]),
+                                                    T.address_of(w[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), T.Cast("int32", n), source_code=src))
+            else:
+                for b in T.thread_binding((n + TOPK_WARPS - 1) // TOPK_WARPS, thread="blockIdx.x"):
+                    for tx in T.thread_binding(32 * TOPK_WARPS, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(tname, T.address_of(logits[0, 0]), T.address_of(ids[0, 0]),
+                                                    T.address_of(w[0, 0]), T.Cast("int32", n), source_code=tsrc))
+                for b in T.thread_binding(1, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(aname, T.address_of(ids[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), T.Cast("int32", n), source_code=asrc))
 
-    return _opaque(align, name)
+    return _opaque(route_f, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -687,4 +697,4 @@ def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool,
     return _opaque(f, name)
 
 
-__all__ = ["expert_gemm", "gemm_path", "moe_align", "moe_combine", "moe_topk"]
+__all__ = ["expert_gemm", "gemm_path", "moe_combine", "moe_route", "route_len"]

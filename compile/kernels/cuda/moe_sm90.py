@@ -3,7 +3,7 @@ expert per row tile.
 
 Prefill-size calls of moe_gate_up / moe_down (compile/kernels/cuda/moe.py) with many pairs per expert run this
 launch instead of the mma.sync passes (which re-read each weight tile once per 8 * big_tiles pairs): block b takes
-row tile b / N_TILES of the concatenated per-expert row tiles (TILE_ROWS = 128 pairs each, listed by moe_align in
+row tile b / N_TILES of the concatenated per-expert row tiles (TILE_ROWS = 128 pairs each, listed by moe_route in
 route[2Ex+2 ..]: a binary search over the selected experts finds the expert and the tile's first pair) and column
 tile b % N_TILES; blocks past the last tile exit. A rows are gathered (gate_up: x row order[s0 + r] / P) or the
 group's contiguous h rows (down); B is the expert's weight rows; the epilogue is gemm_sm90's (silu_mul for

@@ -114,11 +114,10 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
         gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
         if arch in ARCH_ONLY["gemm"] else None,
-        # mixture of experts (compile/moe.py; moe.py's docstring for the contracts): router top-k, pairs grouped
-        # by expert, grouped gate_up / down GEMMs over the selected experts, weighted combine (+ residual)
-        moe_topk=moe.moe_topk,
-        moe_align=moe.moe_align,
-        moe_route_len=moe.route_len,  # int32 entries of moe_align's route buffer for a number of expert slots
+        # mixture of experts (compile/moe.py; moe.py's docstring for the contracts): router top-k with the pairs
+        # grouped by expert, grouped gate_up / down GEMMs over the selected experts, weighted combine (+ residual)
+        moe_route=moe.moe_route,  # top-k + pairs grouped by expert (one launch for decode-size calls)
+        moe_route_len=moe.route_len,  # int32 entries of moe_route's route buffer for a number of expert slots
         moe_gate_up=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
             "gate_up", hidden, 2 * inter, slots, pairs, dtype, weight_format, **p["moe"], wgmma=moe_wgmma),
         moe_down=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
