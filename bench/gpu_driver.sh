@@ -28,6 +28,7 @@ for step in "$@"; do
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;
     moe) [ -d .gpu/moe ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check .gpu/moe $OUT/moe_check.json
+         run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels .gpu/moe $OUT/moe_kernels.json
          run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench .gpu/moe $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)

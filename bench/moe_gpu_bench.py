@@ -11,12 +11,18 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
           (compile/kernels/moe.py) on inputs that `check` regenerates from the same seeds with numpy
       OUT/tiny/   a tiny Qwen3.5-MoE (fused-expert VLM-style checkpoint) built for cuda:ARCH in f32 and bf16 with
                   HF / llvm references: gpu_bench.py check's layout and criteria (CUDA graphs bit-equal to eager)
+      OUT/variants.so|json   the 35B-A3B grouped expert GEMMs per VARIANTS entry (`kernels`)
       OUT/q35b.so|json, OUT/q35b_nvfp4.so|json   the 35B-A3B text decoder (bf16; NVFP4 experts and projections)
   check OUT RESULT.json
       kernels: CUDA route (top-k + grouping: one launch up to 64 tokens, else two) vs llvm's top-k (ids, weights),
       then gate_up + down + combine vs the llvm experts kernel on the rows routed alike, every token count (1, 4, 8:
       decode; 40, 100: groups past 8 pairs, the wgmma launch, the two-launch route); the tiny model through
       gpu_bench.cmd_check (its result under "tiny")
+  kernels OUT RESULT.json
+      the grouped expert GEMMs alone at the 35B-A3B shapes (256 experts + shared, top-8) for the launch-parameter
+      variants of VARIANTS (schedules/cuda_<arch>.json "kernels.moe"), bf16 and NVFP4: gate_up + down time per call
+      on random routings (a new one each call, so experts come from HBM), GB/s of the distinct experts' weights for
+      decode-size calls and TFLOP/s for prefill-size ones (the wgmma launch past its threshold on sm_90)
   bench OUT RESULT.json [--weights bf16,nvfp4] [--ctx 8192] [--long-ctx 131072] [--batches 1,4,8] [--prefill 8192]
       per weight format: random weights made on the GPU, decode through CUDA graphs at every batch and both contexts,
       prefill of one --prefill-token prompt. Floors: decode bytes = weights read per step (everything but the
@@ -25,7 +31,8 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
       written, over the measured copy bandwidth; prefill FLOPs = 2 x tokens x (dense matmul parameters + (k + 1)
       experts) + causal attention + one lm_head row, over the measured bf16 matmul rate.
 
-GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_bench; MOE_BENCH_ARGS adds bench options).
+GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_kernels / moe_bench; MOE_BENCH_ARGS adds bench
+options).
 """
 from __future__ import annotations
 
@@ -60,6 +67,10 @@ CE, CK, CD, CI = 32, 8, 2048, 512
 CHECK_TOKENS = (1, 4, 8, 40, 100)
 CHECK_WGMMA = (256, 4, 8)  # (bn, stages, pairs per expert slot): the wgmma launch from n*P >= 264 pairs
 FORMATS = {"bf16": None, "nvfp4": "nvfp4"}
+# launch-parameter variants of the grouped expert GEMMs timed by `kernels` (over the registry's defaults)
+VARIANTS = {"default": {}, "w8": {"warps": 8}, "w2": {"warps": 2}, "u8": {"unroll": 8}, "u2": {"unroll": 2},
+            "bt2": {"big_tiles": 2}}
+VARIANT_TOKENS = (1, 4, 8, 48, 512, 8192)
 
 
 def _bf16():
@@ -144,6 +155,37 @@ def prep_kernels(out: Path, arch: str) -> None:
           flush=True)
 
 
+def variant_funcs(arch: str) -> dict:
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+    from ninfer_mlc.compile.kernels.cuda import registry
+
+    kp = registry.kernel_params(arch)
+    mw = kp["moe_wgmma"]
+    wg = (mw["bn"], mw["stages"], mw["rows_per_expert"]) if arch in registry.ARCH_ONLY["moe_wgmma"] else None
+    e, k, d, i = Q35B["num_experts"], Q35B["num_experts_per_tok"], Q35B["hidden_size"], Q35B["moe_intermediate_size"]
+    funcs = {"route": M.moe_route(e, k, True, e + 1, k + 1)}
+    for v, over in VARIANTS.items():
+        p = {**kp["moe"], **over}
+        for f, fmt in FORMATS.items():
+            funcs[f"gu_{f}_{v}"] = M.expert_gemm("gate_up", d, 2 * i, e + 1, k + 1, "bfloat16", fmt, **p, wgmma=wg)
+            funcs[f"dn_{f}_{v}"] = M.expert_gemm("down", i, d, e + 1, k + 1, "bfloat16", fmt, **p, wgmma=wg)
+    return {name: f.with_attr("global_symbol", name) for name, f in funcs.items()}
+
+
+def prep_variants(out: Path, arch: str) -> None:
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    t0 = time.time()
+    funcs = variant_funcs(arch)
+    tgt = parse_target("cuda:" + arch).tvm_target()
+    with cuda_build_env(tgt):
+        tvm.compile(tvm.IRModule(funcs), target=tgt).export_library(str(out / "variants.so"))
+    (out / "variants.json").write_text(json.dumps({"arch": arch, "variants": VARIANTS, "tokens": VARIANT_TOKENS}))
+    print(f"variants: {len(funcs)} functions, {time.time() - t0:.0f}s", flush=True)
+
+
 def prep_35b(out: Path, arch: str) -> None:
     from ninfer_mlc.compile import gpu_pipeline
     from ninfer_mlc.compile.build import build_library
@@ -167,6 +209,7 @@ def cmd_prep(a) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if not a.only_35b:
         prep_kernels(out, a.arch)
+        prep_variants(out, a.arch)
         (out / "tiny").mkdir(exist_ok=True)
         t0 = time.time()
         gpu_bench.prep_tiny(out / "tiny", a.arch, "qwen3_5_moe", 31, save="save_fused_vlm")
@@ -227,6 +270,76 @@ def cmd_check(a) -> int:
     gc.write_result(a.result, res)
     print(f"check: {'PASS' if res['pass'] else 'FAIL'}", flush=True)
     return 0 if res["pass"] else 1
+
+
+def cmd_kernels(a) -> int:
+    """Time the grouped expert GEMMs (gate_up + down of one MoE layer) per variant, format and token count."""
+    import torch
+
+    tvm, dev = gpu_bench._gpu_tvm()
+    out = Path(a.out)
+    meta = json.loads((out / "variants.json").read_text())
+    lib = tvm.runtime.load_module(str(out / "variants.so"))
+    e, k, d, i = Q35B["num_experts"], Q35B["num_experts_per_tok"], Q35B["hidden_size"], Q35B["moe_intermediate_size"]
+    ex, pairs = e + 1, k + 1
+    res = {"device": torch.cuda.get_device_name(0), "arch": meta["arch"], "rows": []}
+    bw, rate = gc.measure_floors(torch)
+    res["copy_bandwidth_Bps"], res["bf16_matmul_flops"] = bw, rate
+    g = torch.Generator(device="cuda").manual_seed(3)
+    D = lambda t: tvm.runtime.from_dlpack(t.contiguous())  # noqa: E731
+    weights = {"bf16": [torch.randn((ex, o, kk), device="cuda", generator=g).to(torch.bfloat16) * kk ** -0.5
+                        for o, kk in ((2 * i, d), (d, i))]}
+    weights["nvfp4"] = []
+    for o, kk in ((2 * i, d), (d, i)):
+        weights["nvfp4"] += [torch.randint(0, 256, (ex, o, kk // 2), device="cuda", generator=g, dtype=torch.int32)
+                             .to(torch.uint8),
+                             torch.randint(0x30, 0x38, (ex, o, kk // 16), device="cuda", generator=g, dtype=torch.int32)
+                             .to(torch.uint8),
+                             torch.full((ex, o), 1.0 / (2.2 * kk ** 0.5), device="cuda")]
+    tw = {f: [D(t) for t in ws] for f, ws in weights.items()}
+    slot_bytes = {f: sum(t.numel() * t.element_size() for t in ws) / ex for f, ws in weights.items()}
+    s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for n in meta["tokens"]:
+        routes = []  # a few random routings (a different set of experts per call)
+        for r in range(4 if n < 512 else 1):
+            logits = torch.randn((n, e + 1), device="cuda", generator=g)
+            bufs = [D(logits), D(torch.zeros((n, k + 1), device="cuda", dtype=torch.int32)),
+                    D(torch.zeros((n, k + 1), device="cuda")), D(torch.zeros(n * pairs, device="cuda", dtype=torch.int32)),
+                    D(torch.zeros(3 * ex + 3, device="cuda", dtype=torch.int32))]
+            lib["route"](*bufs)
+            routes.append(bufs)
+        union = float(np.mean([len(set(torch.from_dlpack(r[1]).cpu().numpy()[:, :k].reshape(-1).tolist())) + 1
+                               for r in routes]))
+        x = D(torch.randn((n, d), device="cuda", generator=g).to(torch.bfloat16))
+        h = D(torch.empty((n * pairs, i), device="cuda", dtype=torch.bfloat16))
+        y = D(torch.empty((n * pairs, d), device="cuda", dtype=torch.bfloat16))
+        for v in meta["variants"]:
+            for f in FORMATS:
+                half = len(tw[f]) // 2
+                gu, dn = lib[f"gu_{f}_{v}"], lib[f"dn_{f}_{v}"]
+
+                def call(j):
+                    r = routes[j % len(routes)]
+                    gu(x, r[3], r[4], *tw[f][:half], h)
+                    dn(h, r[3], r[4], *tw[f][half:], y)
+
+                reps = 20 if n < 512 else 3
+                for j in range(2):
+                    call(j)
+                torch.cuda.synchronize()
+                s_ev.record()
+                for j in range(reps):
+                    call(j)
+                e_ev.record()
+                e_ev.synchronize()
+                dt = s_ev.elapsed_time(e_ev) / 1e3 / reps
+                row = {"tokens": n, "weights": f, "variant": v, "us": dt * 1e6, "experts_read": union,
+                       "GBps": union * slot_bytes[f] / dt / 1e9, "fraction_of_copy_bw": union * slot_bytes[f] / dt / bw,
+                       "TFLOPs": 2 * n * pairs * 3 * d * i / dt / 1e12}
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        gc.write_result(a.result, res)
+    return 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,6 +520,9 @@ def main(argv=None) -> int:
     c = sub.add_parser("check")
     c.add_argument("out")
     c.add_argument("result")
+    kv = sub.add_parser("kernels")
+    kv.add_argument("out")
+    kv.add_argument("result")
     b = sub.add_parser("bench")
     b.add_argument("out")
     b.add_argument("result")
@@ -419,7 +535,7 @@ def main(argv=None) -> int:
     b.add_argument("--reserve-gib", type=float, default=10.0, help="device memory left beside the KV pool")
     b.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of a decode step and the prefill")
     a = ap.parse_args(argv)
-    return {"prep": cmd_prep, "check": cmd_check, "bench": cmd_bench}[a.cmd](a)
+    return {"prep": cmd_prep, "check": cmd_check, "kernels": cmd_kernels, "bench": cmd_bench}[a.cmd](a)
 
 
 if __name__ == "__main__":
