@@ -355,7 +355,8 @@ def _byte_budget(cfg: dict, nbytes: dict) -> dict:
 
 
 def _matmul_params(specs, cfg: dict) -> tuple[float, float]:
-    """(dense matmul parameters per token outside embedding / lm_head / experts, parameters of one expert slot)."""
+    """(dense matmul parameters per token outside embedding / lm_head / experts, parameters of one expert of one
+    layer)."""
     d, i = cfg["hidden_size"], cfg["moe_intermediate_size"]
     dense = 0
     for name, shape, dtype in specs:
@@ -463,7 +464,8 @@ def bench_weights(a, tag: str, torch, tvm, dev, floors) -> dict:
     n = a.prefill
     if n and -(-n // PAGE) <= num_pages:
         dense_p, slot_p = _matmul_params(specs, cfg)
-        flops = 2 * n * (dense_p + (k + 1) * slot_p) + n_attn * 4 * cfg["num_attention_heads"] * dh * n * (n + 1) / 2 \
+        active = dense_p + budget["moe_layers"] * (budget["expert_slots"] - e + k) * slot_p  # + the shared expert
+        flops = 2 * n * active + n_attn * 4 * cfg["num_attention_heads"] * dh * n * (n + 1) / 2 \
             + 2 * cfg["vocab_size"] * cfg["hidden_size"]
         pt = np.arange(-(-n // PAGE), dtype=np.int32).reshape(1, -1)
         toks = np.random.default_rng(7).integers(0, cfg["vocab_size"], n)
@@ -479,6 +481,7 @@ def bench_weights(a, tag: str, torch, tvm, dev, floors) -> dict:
             times.append(time.perf_counter() - ts)
         s = min(times)
         res["prefill"] = {"tokens": n, "seconds": s, "all_seconds": times, "tok_s": n / s, "flops": flops,
+                          "active_matmul_params": active,
                           "floor_seconds": flops / rate, "fraction_of_floor": flops / rate / s,
                           "logits_finite": bool(np.isfinite(o[0].numpy()).all())}
         print(f"[{tag}] prefill {n}: {s:.3f}s = {n / s:.0f} tok/s (floor {flops / rate:.3f}s, "
