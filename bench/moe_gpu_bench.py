@@ -119,17 +119,24 @@ def check_funcs(arch: str) -> dict:
     return {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
 
 
+def _build_cuda(funcs: dict, arch: str, path: Path) -> None:
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    tgt = parse_target("cuda:" + arch).tvm_target()
+    with cuda_build_env(tgt):
+        tvm.compile(tvm.IRModule(funcs), target=tgt).export_library(str(path))
+
+
 def prep_kernels(out: Path, arch: str) -> None:
     import tvm
 
     from ninfer_mlc.compile.kernels import moe as L
-    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
 
     t0 = time.time()
     funcs = check_funcs(arch)
-    tgt = parse_target("cuda:" + arch).tvm_target()
-    with cuda_build_env(tgt):
-        tvm.compile(tvm.IRModule(funcs), target=tgt).export_library(str(out / "kernels.so"))
+    _build_cuda(funcs, arch, out / "kernels.so")
     ex, pairs = CE + 1, CK + 1
     lmod = tvm.compile(tvm.IRModule({
         "topk": L.moe_topk(CE, CK, True).with_attr("global_symbol", "topk"),
@@ -173,15 +180,9 @@ def variant_funcs(arch: str) -> dict:
 
 
 def prep_variants(out: Path, arch: str) -> None:
-    import tvm
-
-    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
-
     t0 = time.time()
     funcs = variant_funcs(arch)
-    tgt = parse_target("cuda:" + arch).tvm_target()
-    with cuda_build_env(tgt):
-        tvm.compile(tvm.IRModule(funcs), target=tgt).export_library(str(out / "variants.so"))
+    _build_cuda(funcs, arch, out / "variants.so")
     (out / "variants.json").write_text(json.dumps({"arch": arch, "variants": VARIANTS, "tokens": VARIANT_TOKENS}))
     print(f"variants: {len(funcs)} functions, {time.time() - t0:.0f}s", flush=True)
 
