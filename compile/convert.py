@@ -3,6 +3,7 @@
 What changes on the way: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba are split into the
 Qwen3.5 layout (one model definition serves both); conv1d weights drop their singleton axis;
 zero-centred RMSNorm weights get the +1 folded in (not linear_attn.norm, which is a plain scale);
+MoE experts are stacked into per-layer arrays from either checkpoint layout (convert_moe.py);
 VLM prefixes are stripped; mtp.* weights (the MTP head) keep their names and are used when the model
 compiles the head; dtypes are set per parameter; the rope frequency table is added.
 """
@@ -122,7 +123,14 @@ def hf_to_params(
         else:
             src[name] = arr
     param_specs = list(param_specs)
-    _assemble_projections(src, [n for n, _, _ in param_specs], track)
+    names = [n for n, _, _ in param_specs]
+    built = set()
+    if cfg.num_experts:  # MoE: stacked expert arrays (compile/convert_moe.py), router + shared gate fused below
+        from .convert_moe import assemble_experts
+        from .moe import shared_folded
+
+        built = assemble_experts(src, names, cfg, shared_folded(cfg))
+    _assemble_projections(src, [n for n in names if n not in built], track)
     inv_freq, factor = rope_tables
     src["rope_inv_freq"] = np.asarray(inv_freq, np.float32)
     src["rope_attn_factor"] = np.array([factor], np.float32)

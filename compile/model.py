@@ -151,13 +151,27 @@ FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "linear_attn.in_proj_qkv_z": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    # MoE (compile/moe.py): the router and the shared expert's gate; an unfolded shared expert's gate / up
+    "mlp.router": ("mlp.gate", "mlp.shared_expert_gate"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 
 
+def _feed_forward(cfg: ModelConfig, dtype: str, index: int, kernels) -> nn.Module:
+    """The layer's MLP: the sparse MoE block where the config puts one (compile/moe.py), else the dense SwiGLU."""
+    if cfg.is_moe_layer(index):
+        from .moe import SparseMoeBlock  # moe.py builds on this module's Linear / MLP
+
+        return SparseMoeBlock(cfg, dtype, kernels)
+    return MLP(cfg, dtype)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str):
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+    def __init__(self, cfg: ModelConfig, dtype: str, intermediate: int | None = None):
+        """intermediate: the hidden size of the SwiGLU (default: the config's dense intermediate_size)."""
+        inter = intermediate or cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * inter, dtype)
+        self.down_proj = _linear(inter, cfg.hidden_size, dtype)
 
     def forward(self, x, residual=None):
         """residual: return residual + mlp(x) (fused into the down projection by the decode GEMV)."""
@@ -338,7 +352,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index), kernels, kv_hadamard)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, cfg.gdn_layers.index(index), kernels)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = _feed_forward(cfg, dtype, index, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -356,7 +370,7 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool = False):
         self.self_attn = GatedAttention(cfg, dtype, 0, kernels, kv_hadamard, n_layers=1)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = _feed_forward(cfg, dtype, 0, kernels)  # MoE in MoE checkpoints (vLLM: layer index 0)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

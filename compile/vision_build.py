@@ -37,7 +37,7 @@ def vision_weights(tensors: dict[str, np.ndarray], vcfg: VisionConfig,
             missing.append(name)
             continue
         a = np.asarray(src[name], dtype=np.float32)
-        if name == "patch_embed.proj.weight":
+        if name == "patch_embed.proj.weight" and a.size == int(np.prod(shape)):
             a = a.reshape(vcfg.hidden_size, -1)  # [D, C, T, P, P] -> [D, C*T*P*P], the patch layout
         if list(a.shape) != list(shape):
             raise ConfigError(f"vision weight {name}: checkpoint shape {a.shape} != model shape {tuple(shape)}")

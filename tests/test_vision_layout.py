@@ -61,3 +61,17 @@ def test_smart_resize_matches_transformers(h, w):
 
     assert smart_resize(h, w, 32, 65536, 16777216) == hf(h, w, 32, 65536, 16777216)
     assert smart_resize(h, w, 8, 256, 4096) == hf(h, w, 8, 256, 4096)
+
+
+def test_vision_weights_of_the_wrong_shape_are_a_config_error():
+    """A visual.* tensor that does not fit the vision_config is named in a ConfigError (not a reshape crash)."""
+    from ninfer_mlc.compile.config import ConfigError
+    from ninfer_mlc.compile.vision_build import vision_weights
+    from ninfer_mlc.compile.vision_config import parse_vision_config
+
+    vcfg = parse_vision_config({"vision_config": {"depth": 1}})
+    specs = [("patch_embed.proj.weight", [vcfg.hidden_size, 3 * 2 * 16 * 16], "float32")]
+    with pytest.raises(ConfigError, match="patch_embed.proj.weight"):
+        vision_weights({"model.visual.patch_embed.proj.weight": np.zeros((4, 3), np.float32)}, vcfg, specs)
+    with pytest.raises(ConfigError, match="lacks vision weights"):
+        vision_weights({}, vcfg, specs)
