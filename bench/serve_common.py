@@ -345,6 +345,8 @@ def _random_flag(man: Optional[dict]) -> Optional[bool]:
     for k in ("random_weights", "weights_random"):
         if k in man:
             return bool(man[k])
+    if "random_weights" in (man.get("extras") or {}):
+        return bool(man["extras"]["random_weights"])
     w = man.get("weights")
     if isinstance(w, dict) and "random" in w:
         return bool(w["random"])
@@ -381,6 +383,8 @@ class ServerProcess:
         # installed package, whose runtime/ and compile/ live elsewhere)
         cmd = [sys.executable, "-P", "-m", "ninfer_mlc.cli", "serve"] + ([model_dir] if model_dir else [])
         self.cmd = cmd + ["--host", "127.0.0.1", "--port", str(self.port)] + list(serve_args)
+        if _random_flag(read_manifest_json(model_dir)) and "--allow-random-weights" not in self.cmd:
+            self.cmd.append("--allow-random-weights")  # a benchmark artifact: this tool asks for it, and says so
         self.start_timeout_s = start_timeout_s
         self.log_path = log_path or tempfile.mkstemp(prefix="ninfer_serve_", suffix=".log")[1]
         self.proc: Optional[subprocess.Popen] = None
