@@ -104,8 +104,9 @@ def test_openai_data_url_and_http_url(oai, claude, image_host):
     a = _chat(oai, [_user("What is this?", cat)])
     assert a.choices[0].finish_reason in ("stop", "length")
     # 40x40 -> 40x40 pixels, 10x10 patches, 25 merged tokens: the prompt grew by 24 placeholders
-    text_only = claude.messages.count_tokens(model="vlm", messages=[{"role": "user", "content": "What is this?"}])
-    assert a.usage.prompt_tokens == text_only.input_tokens + 2 + 25
+    # (same route: a Messages request without `thinking` renders the closed think block, chat does not)
+    text_only = _chat(oai, [_user("What is this?")])
+    assert a.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 + 25
     b = _chat(oai, [_user("What is this?", image_host + "/cat.png")])
     assert b.usage.prompt_tokens == a.usage.prompt_tokens
     assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens - 8  # same pixels: reused

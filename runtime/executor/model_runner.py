@@ -130,6 +130,23 @@ class ModelRunner:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
         self._graph_generation = self.inputs.generation
 
+    def zero_kv(self) -> None:
+        """Zero the whole KV pool once. The engine never reads a position it did not write; a harness that
+        times decode over reserved-but-unwritten context does, and fresh memory may hold NaN patterns."""
+        if self.device_kind == "cuda":
+            try:
+                import torch
+                torch.from_dlpack(self.kv_pool).zero_()
+                return
+            except Exception:  # noqa: BLE001  (no torch, or a dtype it cannot view): page by page below
+                pass
+        else:
+            self.kv_pool.copyfrom(np.zeros(self.kv_shape, self._np_kv))
+            return
+        zero = np.zeros(self.layout.kv_page, self._np_kv)
+        for p in range(self.num_pages):
+            self.page_view(p).copyfrom(zero)
+
     @property
     def kv_shape(self) -> tuple:
         return (self.num_pages,) + self.layout.kv_page
