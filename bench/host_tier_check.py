@@ -31,7 +31,7 @@ def main(art: str) -> int:
     dirty = r.new_seq()  # reuse the freed pages and slot for something else
     r.prefill([(dirty, toks[50:200])])
     back = r.new_seq()
-    back.pages = r.pages.alloc(n)
+    back.pages = r.kv.pages.alloc(n)
     host.load_pages(alloc, back.pages)
     host.load_state(hs, back.slot)
     back.length = length

@@ -2,9 +2,9 @@
 so a suite run compiles each geometry once).
 
 The key covers what shapes a library: geometry and dtypes, KV format and rotation, the MTP head, the weight
-format and the FP4 MMA path, the target, the TVM version, the schedule files of CUDA targets, and the code
-that builds it: the syntax trees of compile/ and contract/ without docstrings, comments or formatting (so
-editing those rebuilds nothing). compile/ modules that never run in a build (LEFT_OUT) are not part of it.
+format, the FP4 MMA path and the multimodal functions (or the vision tower's config), the target, the TVM
+version, the schedule files of CUDA targets, and the code that builds it: the syntax trees of compile/ and
+contract/ without docstrings, comments or formatting (so editing those rebuilds nothing). compile/ modules that never run in a build (LEFT_OUT) are not part of it.
 """
 from __future__ import annotations
 
@@ -59,22 +59,31 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def library_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool, mtp: bool,
-                weight_quant: str | None, fp4_mma: bool) -> str:
+def _key(parts: list, target: TargetSpec) -> str:
+    """Digest of `parts` (JSON), the target, TVM, the build code and, for CUDA targets, the schedule files."""
     import tvm
 
-    h = hashlib.sha256()
-    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    h.update(json.dumps([geo, dtype, kv_dtype, kv_hadamard, target.name, tvm.__version__], sort_keys=True).encode())
-    if mtp:  # the MTP head is compiled only when the checkpoint has it
-        h.update(b"mtp")
+    h = hashlib.sha256(json.dumps([parts, target.name, tvm.__version__], sort_keys=True).encode())
     h.update(code_digest().encode())
     if target.kind == "cuda":  # schedule choices shape the CUDA library
         from .gpu_pipeline import SCHEDULE_DIR
 
         for f in sorted(Path(os.environ.get("NINFER_SCHEDULE_DIR", SCHEDULE_DIR)).glob("*.json")):
             h.update(f.read_bytes())
-    return h.hexdigest()[:24] + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else "")
+    return h.hexdigest()[:24]
+
+
+def library_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool, mtp: bool,
+                weight_quant: str | None, fp4_mma: bool, multimodal: bool = False) -> str:
+    """Key of a model library (compile/build.py). The MTP head is compiled only when the checkpoint has it."""
+    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
+    return (_key([geo, dtype, kv_dtype, kv_hadamard] + (["mtp"] if mtp else []), target)
+            + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
+
+
+def vision_key(vcfg, dtype: str, target: TargetSpec) -> str:
+    """Key of a vision tower library (compile/vision_build.py; vcfg: a VisionConfig)."""
+    return _key([vcfg.to_dict(), dtype], target) + "-vision"
 
 
 def _cache_dir() -> Path | None:

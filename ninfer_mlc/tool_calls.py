@@ -178,6 +178,9 @@ def _try_json(text: str) -> tuple[bool, Any]:
 
 
 _OMIT = object()
+# string schemas whose values are tokens rather than free text: the whitespace around them is layout
+# (constrained decoding lets the model put any around such values, as xgrammar's qwen_xml style does)
+_SHAPED_STRING_KEYS = ("enum", "const", "pattern", "format", "minLength", "maxLength")
 
 
 def convert_value(raw: str, schema: Any) -> Any:
@@ -187,6 +190,8 @@ def convert_value(raw: str, schema: Any) -> Any:
         ok, v = _try_json(raw)
         return v if ok else raw
     if types == {"string"}:
+        if isinstance(schema, dict) and any(k in schema for k in _SHAPED_STRING_KEYS):
+            return raw.strip()
         return raw
     text = raw.strip()
     if not text:

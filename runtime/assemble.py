@@ -18,6 +18,7 @@ from .kv.prefix_cache import PrefixCache
 from .scheduler.scheduler import ThinkControl
 from .stats import ModelInfo
 from .tokenizer import load_tokenizer
+from .vision.encoder import open_vision
 
 TURN_START = "<|im_start|>"
 # what Qwen's own serving inserts when a thinking budget runs out
@@ -44,6 +45,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
     runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    runner.vision = open_vision(runner, cfg.vision)
     cache = host = None
     if cfg.prefix_reuse:
         cache = PrefixCache(cfg.max_cache_entries)
@@ -52,6 +54,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
                             meminfo_reader=meminfo_reader)
     kv = KVManager(runner, num_pages, cfg.device_slots, cache, host)
     tok = load_tokenizer(art_dir)
+    runner.sample_vocab = min(runner.vocab_size, tok.get_vocab_size(with_added_tokens=True))
     gen = read_generation_defaults(art_dir, m.config)
     turn = tok.encode(TURN_START, add_special_tokens=False).ids if tok.token_to_id(TURN_START) is not None else []
     end_id = tok.token_to_id("</think>")
@@ -59,7 +62,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
                          tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids if end_id is not None else [])
     dev = runner.dev
     info = ModelInfo(
-        name=m.name, architecture=str(m.config.get("architecture") or ""), target=m.target, dtype=m.dtype,
+        name=m.name, random_weights=runner.random_weights, architecture=str(m.config.get("architecture") or ""), target=m.target, dtype=m.dtype,
         kv_dtype=m.kv_dtype, device=f"{runner.device_kind}:{int(getattr(dev, 'index', 0) or 0)}",
         device_name=str(getattr(dev, "device_name", "") or "") if runner.device_kind == "cuda" else "",
         device_total_bytes=int(getattr(dev, "total_global_memory", 0) or 0) if runner.device_kind == "cuda" else 0,

@@ -46,10 +46,12 @@ __all__ = [
     "needs_logit_edit",
     "log_softmax_top",
     "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
     "MAX_TOP_LOGPROBS",
 ]
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 2048  # per stop string; matching is linear, the bound keeps requests small
 MAX_TOP_LOGPROBS = 20
 _LOGIT_BIAS_LIMIT = 100.0
 _PENALTY_LIMIT = 2.0
@@ -192,6 +194,9 @@ class SamplingParams:
                 raise SamplingError("stop", f"stop[{i}] must be a string, got {type(s).__name__}")
             if s == "":
                 raise SamplingError("stop", f"stop[{i}] is an empty string; stop strings must be non-empty")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise SamplingError("stop", f"stop[{i}] has {len(s)} characters; at most {MAX_STOP_STRING_CHARS} "
+                                            "are allowed")
 
         if not isinstance(self.stop_token_ids, list):
             raise SamplingError("stop_token_ids", "must be a list of token ids")
@@ -365,6 +370,11 @@ class RowState:
         self._rep_mask: Optional[np.ndarray] = None  # lazily built dense mask [V] (prompt | generated)
 
     # -- history -------------------------------------------------------------------------
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        """Unique prompt token ids (int64, sorted): what repetition_penalty sees besides generated tokens."""
+        return self._prompt_ids
+
     @property
     def num_generated(self) -> int:
         return len(self.output_token_ids)

@@ -63,6 +63,7 @@ class ModelInfo:
     """What was loaded and how the pools were sized (fixed after start-up)."""
 
     name: str = ""
+    random_weights: bool = False  # a benchmark artifact: weights drawn at load time
     architecture: str = ""
     target: str = ""
     dtype: str = ""
@@ -100,6 +101,7 @@ class EngineStats:
     transfers: dict = field(default_factory=dict)  # host tier copies: pages, bytes, seconds
     arena: dict = field(default_factory=dict)  # pinned host arena: capacity, free, fragmentation
     cuda_graphs: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)  # the vision tower: device, weights, encode time, images
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

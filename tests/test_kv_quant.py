@@ -158,7 +158,10 @@ def test_append_bytes_bitexact_through_runner(tiny, kv_dtype):
         cat = lambda t: np.concatenate([t[s][a:b] for s, a, b in chunks])  # noqa: E731
         pos = np.concatenate([np.arange(a, b) for _, a, b in chunks]).astype(np.int32)
         tseq = np.concatenate([np.full(b - a, i) for i, (_, a, b) in enumerate(chunks)]).astype(np.int32)
-        pt = runner._page_table([seqs[s] for s, _, _ in chunks])
+        rows_of = [seqs[s].pages for s, _, _ in chunks]
+        pt = np.zeros((len(rows_of), max(map(len, rows_of))), np.int32)
+        for i, pg in enumerate(rows_of):
+            pt[i, :len(pg)] = pg
         dev = runner.dev
         out = tvm.runtime.tensor(np.zeros((len(pos), hq, d), np.float32), dev)
         T = lambda a: tvm.runtime.tensor(np.ascontiguousarray(a), dev)  # noqa: E731

@@ -7,7 +7,7 @@ TOOLS = [{"name": "get_weather", "description": "Current weather",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 NO_THINK = {"type": "disabled"}
 T0 = {"temperature": 0}  # the current SDK no longer has sampling kwargs; the API still takes them
-THINK = {"type": "enabled", "budget_tokens": 1024}
+THINK = {"type": "adaptive"}  # the server default (thinking on); a budget needs max_tokens > 1024
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +106,9 @@ def test_errors_and_server_keeps_serving(client):
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=4, messages=MSGS, thinking={"type": "enabled",
                                                                                  "budget_tokens": 5})
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError):  # forcing a tool the request does not offer
         client.messages.create(model="m", max_tokens=4, messages=MSGS, tools=TOOLS,
-                               tool_choice={"type": "tool", "name": "get_weather"})
+                               tool_choice={"type": "tool", "name": "get_time"})
     assert client.messages.create(model="m", max_tokens=2, messages=MSGS).type == "message"
 
 

@@ -117,8 +117,9 @@ def test_tools_accepted_and_rendered(client, model, server):
     r = client.chat.completions.create(messages=history, tools=TOOLS, **kw)
     assert r.usage.prompt_tokens == expected_prompt_tokens(server, history, TOOLS, enable_thinking=True,
                                                            preserve_thinking=False)
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(messages=HI, tools=TOOLS, tool_choice="required", **kw)
+    with pytest.raises(openai.BadRequestError) as ei:  # forcing a tool the request does not offer
+        client.chat.completions.create(messages=HI, tools=TOOLS, tool_choice={"type": "function", "function": {
+            "name": "get_time"}}, **kw)
     assert ei.value.param == "tool_choice"
 
 

@@ -119,3 +119,26 @@ def test_reset():
     assert m.feed("az") == ("a", True, "z")
     m.reset()
     assert m.feed("b") == ("b", False, None)
+
+
+def test_long_stop_strings_match_in_linear_time():
+    """A 100k-character stop string builds and matches in one pass (the old matcher built every prefix:
+    quadratic time and memory); the answer is the same as the reference."""
+    stop = "ab" * 50_000
+    m = StopStringMatcher([stop, "b" * 3])
+    text = "a" * 1000 + "ab" * 49_999 + "a" + "bbb"
+    out, stopped, matched = "", False, None
+    for i in range(0, len(text), 997):
+        emit, stopped, matched = m.feed(text[i:i + 997])
+        out += emit
+        if stopped:
+            break
+    assert (out, matched) == reference(text, [stop, "bbb"])
+
+
+def test_sampling_params_bound_stop_length():
+    from ninfer_mlc.runtime.sampling import MAX_STOP_STRING_CHARS, SamplingError, SamplingParams
+
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS]).validate()
+    with pytest.raises(SamplingError, match="at most"):
+        SamplingParams(stop=["x" * (MAX_STOP_STRING_CHARS + 1)]).validate()

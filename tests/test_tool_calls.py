@@ -428,6 +428,9 @@ CONVERT_CASES = [
     ({"oneOf": [{"type": "boolean"}, {"type": "object"}]}, "tRuE", True),
     ({"oneOf": [{"type": "boolean"}, {"type": "object"}]}, '{"k": "v"}', {"k": "v"}),
     ({"enum": ["a", "b"]}, "5", "5"),  # enum of strings -> string type
+    ({"type": "string", "enum": ["Paris", "Rome"]}, "  Rome\n\t", "Rome"),  # whitespace around tokens is layout
+    ({"type": "string", "pattern": "^[a-z]+$"}, "\n abc \n", "abc"),
+    ({"type": "string"}, " keep  ", " keep  "),  # free text keeps its spaces
     ({"enum": [1, 2]}, "2", 2),
     ({"description": "untyped"}, '{"a": 1}', {"a": 1}),
     ({"description": "untyped"}, "hello world", "hello world"),

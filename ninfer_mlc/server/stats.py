@@ -234,6 +234,7 @@ def render_stats(es: EngineStats, http_state: Any = None, model_id: Optional[str
     }
     load = {
         "model_id": model_id or m.name,
+        "random_weights": m.random_weights,
         "architecture": m.architecture,
         "load_seconds": round(m.load_seconds, 6),
         "target": m.target,
@@ -269,6 +270,7 @@ def render_stats(es: EngineStats, http_state: Any = None, model_id: Optional[str
         "spec": _spec(es.spec),
         "load": load,
         "cache_options": cache_options,
+        "vision": {"enabled": bool(es.vision), **es.vision},
     }
 
 

@@ -20,6 +20,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .inputs import SeqLike, StepInputs
+from .media_forward import decode_rope_positions, has_media, prefill_media
 
 
 def np_dtype(dt: str) -> np.dtype:
@@ -47,6 +48,9 @@ class ModelRunner:
         self.layout: PoolLayout = m.layout()
         self.page_size = m.page_size
         self.vocab_size = int(self.cfg["vocab_size"])
+        # ids the tokenizer can produce: logits are cut to these (a padded or larger lm_head never samples
+        # an id that has no text); the engine sets it, the harness keeps the full width
+        self.sample_vocab = self.vocab_size
         has = self.vm.module.implements_function
         self.has_verify = bool(has("verify") and has("prefill_h"))
         self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
@@ -56,18 +60,35 @@ class ModelRunner:
         self.kv_pool = self.conv_pool = self.ssm_pool = self.mtp_kv_pool = None
         self.inputs: Optional[StepInputs] = None
         self.decode_graphs: Optional[GraphedFunction] = None
+        self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
+        self.mtp_graphs: Optional[GraphedFunction] = None
+        self._graph_generation = 0
         self.num_pages = self.num_slots = 0
+        self.vision = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
     def _load_params(self) -> list:
+        """Weights from the shards; a random-weights benchmark artifact has only its exact tables there
+        and the rest is drawn on the device (executor/random_weights.py)."""
         m = self.manifest
         arrays: dict[str, np.ndarray] = {}
         for rel in m.weight_shards:
             arrays.update(safetensors_io.load(self.art_dir / rel))
+        drawn: dict = {}
+        self.random_weights = bool(m.extras.get("random_weights"))
+        if self.random_weights:
+            from .random_weights import generate
+
+            drawn = generate(m.params, set(arrays), int(m.extras["random_weights"].get("seed", 0)), self.dev, self.tvm)
         out = []
         self.weights_bytes = 0
-        for name, shape, _dtype in m.params:
+        for name, shape, dtype in m.params:
             a = arrays.get(name)
+            if a is None and name in drawn:
+                t = drawn[name]
+                self.weights_bytes += int(np.prod(shape)) * np_dtype(dtype).itemsize
+                out.append(t)
+                continue
             if a is None:
                 raise RuntimeError(f"{self.art_dir}: weight {name} missing from the shards")
             if list(a.shape) != list(shape):
@@ -103,6 +124,28 @@ class ModelRunner:
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
+            if self.has_verify:
+                self.verify_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify"])
+            if self.has_mtp:
+                self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+        self._graph_generation = self.inputs.generation
+
+    def zero_kv(self) -> None:
+        """Zero the whole KV pool once. The engine never reads a position it did not write; a harness that
+        times decode over reserved-but-unwritten context does, and fresh memory may hold NaN patterns."""
+        if self.device_kind == "cuda":
+            try:
+                import torch
+                torch.from_dlpack(self.kv_pool).zero_()
+                return
+            except Exception:  # noqa: BLE001  (no torch, or a dtype it cannot view): page by page below
+                pass
+        else:
+            self.kv_pool.copyfrom(np.zeros(self.kv_shape, self._np_kv))
+            return
+        zero = np.zeros(self.layout.kv_page, self._np_kv)
+        for p in range(self.num_pages):
+            self.page_view(p).copyfrom(zero)
 
     @property
     def kv_shape(self) -> tuple:
@@ -167,6 +210,16 @@ class ModelRunner:
     def _pools(self) -> list:
         return [self.kv_pool, self.conv_pool, self.ssm_pool, self.params]
 
+    def _cut(self, logits: np.ndarray) -> np.ndarray:
+        return logits if self.sample_vocab >= logits.shape[-1] else logits[..., : self.sample_vocab]
+
+    def _check_tokens(self, chunks) -> None:
+        """A token id outside the vocabulary would index past the embedding table on the device."""
+        for t in chunks:
+            a = np.asarray(t)
+            if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+                raise ValueError(f"token id out of range [0, {self.vocab_size})")
+
     def _check_room(self, seqs: Sequence[SeqLike], counts: Sequence[int]) -> None:
         for s, n in zip(seqs, counts):
             if n <= 0:
@@ -180,6 +233,7 @@ class ModelRunner:
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
+        self._check_tokens(chunks)
         return self.inputs.ragged(seqs, chunks, out_rows)
 
     def prefill(self, batch: list[tuple[SeqLike, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
@@ -188,24 +242,34 @@ class ModelRunner:
         lens = np.array([len(t) for _, t in batch], np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
-        args, cu, rows_view = self._ragged(batch, rows)
-        logits = self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy()
+        if has_media(batch):  # image rows and M-RoPE positions (executor/media_forward.py)
+            logits = self._cut(prefill_media(self, batch, rows))
+        else:
+            args, cu, rows_view = self._ragged(batch, rows)
+            logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
         if all_logits:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
 
-    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int]) -> np.ndarray:
-        """One token per sequence at its length; returns logits [B, V]."""
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], on_device: bool = False):
+        """One token per sequence at its length; returns logits [B, V] (on_device: the library's output
+        tensor, uncut, for the device sampler; valid until the next decode call)."""
         self._check_room(seqs, [1] * len(seqs))
+        self._check_tokens([tokens])
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
         # attention split count, which follows the width, is the same in both modes)
         bucket = page_width_bucket if self.device_kind == "cuda" else None
         args = self.inputs.decode(seqs, tokens, bucket)
-        if self.decode_graphs is not None:
+        rope = decode_rope_positions(seqs)  # cache position + rope delta after images
+        if rope is not None:
+            tokens_v, positions_v, pt_v, slots_v = args
+            out = self.vm["decode_mrope"](tokens_v, positions_v, self.inputs.tensor(rope), pt_v, slots_v,
+                                          *self._pools())
+        elif self.decode_graphs is not None:
             out = self.decode_graphs(args, self._pools())
         else:
             out = self.vm["decode"](*args, *self._pools())
-        return out[0].numpy()
+        return out[0] if on_device else self._cut(out[0].numpy())
 
     # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
     # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
@@ -217,15 +281,33 @@ class ModelRunner:
         rows = (np.cumsum(lens) - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
         out = self.vm["prefill_h"](*args, rows_view, *self._pools())
-        logits, hidden = out[0].numpy(), out[1].numpy()
+        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return list(logits), [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))]
+
+    def _ragged_graphs(self) -> None:
+        """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
+        if self.inputs.generation != self._graph_generation:
+            for g in (self.verify_graphs, self.mtp_graphs):
+                if g is not None:
+                    g.reset()
+            self._graph_generation = self.inputs.generation
 
     def verify(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """One batched multi-token target forward: ([len, V] logits, [len, D] hidden) per sequence.
-        KV is written and the GDN state advanced like a prefill; the caller rolls back rejections."""
-        args, cu, _ = self._ragged(batch)
-        out = self.vm["verify"](*args, *self._pools())
-        logits, hidden = out[0].numpy(), out[1].numpy()
+        KV is written and the GDN state advanced like a prefill; the caller rolls back rejections.
+        On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats."""
+        seqs = [s for s, _ in batch]
+        chunks = [t for _, t in batch]
+        self._check_room(seqs, [len(t) for t in chunks])
+        self._check_tokens(chunks)
+        graphs = self.verify_graphs
+        args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        if graphs is not None:
+            self._ragged_graphs()
+            out = graphs(args, self._pools())
+        else:
+            out = self.vm["verify"](*args, *self._pools())
+        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
         return ([logits[cu[i]:cu[i + 1]] for i in range(len(batch))],
                 [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))])
 
@@ -246,25 +328,34 @@ class ModelRunner:
         if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
             raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
         self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
+        self._check_tokens([t for _, _, t, _ in items])
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
         last = (np.cumsum(lens) - 1).astype(np.int32)
         args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
                                                 starts=[p for _, _, _, p in items])
-        ragged = [self.inputs.tensor(hidden, "float32")] + args[:3] + [args[4]]  # no cu_seqlens / slots
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]  # no cu_seqlens / slots
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
         out = self.vm["mtp_prefill"](*ragged, rows_view, self.mtp_kv_pool, self.params)
-        return out[0].numpy(), out[1].numpy()
+        return self._cut(out[0].numpy()), out[1].numpy()
 
     def mtp_step(self, seqs: Sequence[SeqLike], hidden: np.ndarray, tokens, positions,
                  shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """One MTP row per sequence (a chained draft step): (logits [b, V or len(shortlist)], hidden [b, D])."""
         self._check_mtp(seqs, list(positions))
-        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions))
-        ragged = [self.inputs.tensor(np.ascontiguousarray(hidden, np.float32), "float32")] + args[:3] + [args[4]]
+        self._check_tokens([tokens])
+        graphs = self.mtp_graphs if shortlist is None else None
+        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions),
+                                        width_of=page_width_bucket if graphs is not None else None)
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
         else:
-            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+            if graphs is not None:
+                self._ragged_graphs()
+                out = graphs(ragged, [self.mtp_kv_pool, self.params])
+            else:
+                out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+            return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .host_tier import HostTier
 from .pages import PageAllocator, SlotAllocator
@@ -32,6 +32,7 @@ class SeqKV:
     pages: list = field(default_factory=list)
     length: int = 0
     uid: int = field(default_factory=lambda: next(_uids))
+    media: Any = None  # the request's images (runtime/vision/media.py): what the executor needs for their rows
 
 
 class KVManager:
@@ -215,6 +216,16 @@ class KVManager:
     def _copy_state(self, src: int, dst: int) -> None:
         self.host.copy_state_d2d(src, dst) if self.host else self.runner.copy_state(src, dst)
 
+    def reclaimable_pages(self) -> int:
+        """Pages a new sequence could get without preempting a live one: free pages plus the pages only
+        unclaimed device cache entries hold (demoting or evicting those frees them)."""
+        n = self.pages.free_pages
+        if self.cache is not None:
+            for e in self.cache.device_entries():
+                if not e.claimed:
+                    n += sum(1 for p in e.pages if self.pages.refcount(p) == 1)
+        return n
+
     def ensure(self, seq: SeqKV, new_tokens: int) -> bool:
         """Pages for seq.length + new_tokens (freeing cached owners if needed); False, with nothing
         changed, when the device cannot hold them without preempting a live sequence."""
@@ -294,6 +305,55 @@ class KVManager:
 
     def drop_snapshot(self, slot: int) -> None:
         self.slots.release(slot)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def audit(self, live: tuple = ()) -> list[str]:
+        """Every page, slot, claim and host extent accounted for: page reference counts equal the
+        holders (live sequences + device cache entries), used slots equal their holders, the host
+        arena holds exactly the cached host entries, nothing stays claimed. Returns the mismatches
+        (empty when consistent). Call only while no step runs (tests, debugging)."""
+        problems: list[str] = []
+        refs = [0] * self.pages.num_pages
+        slots: list[int] = []
+        entries = list(self.cache.entries.values()) if self.cache is not None else []
+        for s in live:
+            if s is None or s.slot is None:
+                continue
+            slots.append(s.slot)
+            for p in s.pages:
+                refs[p] += 1
+        host_allocs, host_slots = [], []
+        for e in entries:
+            if e.claimed:
+                problems.append(f"entry {e.eid} still claimed ({e.claimed})")
+            if e.tier == "device":
+                slots.append(e.slot)
+                for p in e.pages:
+                    refs[p] += 1
+            else:
+                host_allocs.append(e.host_alloc)
+                host_slots.append(e.host_slot)
+        for p in range(self.pages.num_pages):
+            if refs[p] != self.pages.refcount(p):
+                problems.append(f"page {p}: refcount {self.pages.refcount(p)}, holders {refs[p]}")
+        if len(slots) != len(set(slots)):
+            problems.append(f"a device state slot has two holders: {sorted(slots)}")
+        used = self.slots.num_slots - self.slots.free_slots
+        if used != len(set(slots)):
+            problems.append(f"{used} device state slots in use, {len(set(slots))} held")
+        if self.host is not None:
+            arena = self.host.arena
+            live_allocs = {id(a) for a in arena.live_allocations()}
+            held = {id(a) for a in host_allocs if a is not None}
+            if live_allocs != held:
+                problems.append(f"host arena holds {len(live_allocs)} allocations, cache entries {len(held)}")
+            if sorted(arena.occupied_state_slots()) != sorted(host_slots):
+                problems.append(f"host state slots {arena.occupied_state_slots()} vs entries {sorted(host_slots)}")
+            try:
+                arena.check_invariants()
+            except AssertionError as e:
+                problems.append(f"host arena: {e}")
+        return problems
 
     # ---- views -----------------------------------------------------------------------------
     def occupancy(self) -> dict:

@@ -20,6 +20,7 @@ import numpy as np
 from ..config import EngineConfig
 from ..executor.model_runner import ModelRunner
 from ..kv.manager import KVManager
+from ..grammar import mask_logits
 from ..sampling import Sampler, log_softmax_top
 from ..scheduler.request import Request
 from ..scheduler.scheduler import DecodeWork, RowResult
@@ -36,7 +37,7 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
         raise ValueError(f"{runner.art_dir.name} lacks the verify/prefill_h functions; recompile it with this "
                          "version of `ninfer compile`")
     if cfg.spec == "mtp":
-        shortlist = load_shortlist(cfg.lm_head_draft, runner.vocab_size, eos_ids) if cfg.lm_head_draft else None
+        shortlist = load_shortlist(cfg.lm_head_draft, runner.sample_vocab, eos_ids) if cfg.lm_head_draft else None
         return MTPProposer(runner, shortlist)
     if cfg.spec == "draft":
         return DraftModelProposer(runner, kv.pages.num_pages, cfg.draft_model, slots=2 * cfg.max_concurrency + 1,
@@ -65,6 +66,8 @@ class SpeculativeDecoder:
 
     def draft_budget(self, req: Request, room: int) -> int:
         st = self.state(req)
+        if req.grammar is not None:
+            return 0  # constrained requests decode without drafts (their one token is masked)
         if len(st.unfed or ()) > self.k + 1:
             return 0  # a round without drafts consumes the re-fed tokens before they pile up
         k = min(self.k, room)
@@ -145,6 +148,8 @@ class SpeculativeDecoder:
             rd = st.round
             n_re = len(rd.refed)
             lg, rd.hidden = lg[n_re:], hd[n_re:]  # rows of the pending token and the drafts
+            if req.grammar is not None:  # no drafts: the one token it samples follows the grammar
+                lg = mask_logits([req.grammar], lg)
             rd.out, n_acc = accept(req.row, lg, rd.drafts, st.qs, self.sampler)
             p = req.params
             want_lp = p.logprobs or p.top_logprobs > 0

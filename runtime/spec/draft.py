@@ -49,7 +49,7 @@ class DraftModelProposer:
         self.dr = ModelRunner(draft_dir, device=target.device_kind)
         self.dr.allocate(target_pages, slots, max_batch, cuda_graphs=False)
         self.kv = KVManager(self.dr, target_pages, slots)
-        self.vocab = target.vocab_size
+        self.vocab = target.sample_vocab
         self.chunk = max(1, chunk)
 
     def after_prefill(self, items) -> None:  # the drafter catches up lazily in propose

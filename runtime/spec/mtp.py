@@ -50,7 +50,7 @@ class MTPProposer:
             raise ValueError(f"{runner.art_dir.name} has no MTP head (the checkpoint has no mtp.* weights, or "
                              "the artifact predates MTP support: recompile it)")
         self.runner, self.shortlist = runner, shortlist
-        self.vocab = runner.vocab_size
+        self.vocab = runner.sample_vocab
 
     def _dense(self, rows: np.ndarray) -> np.ndarray:
         if self.shortlist is None:
