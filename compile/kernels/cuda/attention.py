@@ -280,7 +280,7 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
     pack_fn = _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_")
     BQ, BKV, NT = PF_BQ, PF_BKV, PF_NT
     return f"""
-// NINFER_ATTN_SRC_BEGIN (kept by bench/attn_gpu_check.py's CPU emulation)
+// NINFER_ATTN_SRC_BEGIN (kept by the CPU emulator, compile/kernels/cuda/emulate)
 __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
     const int* __restrict__ pos, const int* __restrict__ tseq, const int* __restrict__ pt, void* __restrict__ outv,
     int n, int p, int layer, unsigned char* smem) {{

@@ -46,10 +46,10 @@ def split_args(s: str) -> list[str]:
     return out
 
 
-def emulator_source(cuda: str) -> tuple[str, dict]:
+def emulator_source(cuda: str, extra_prelude: str = "") -> tuple[str, dict]:
     """(C++ for g++, {kernel: (threads per block, [(C type, parameter name)])}) from a module's CUDA source:
-    the prelude, the kernels' own device code, the kernels, and one extern "C" launcher per kernel,
-    emu_<kernel>(void** pointers, const int64_t* scalars, grid x, y, z, block x)."""
+    the prelude (then extra_prelude), the kernels' own device code, the kernels, and one extern "C" launcher
+    per kernel, emu_<kernel>(void** pointers, const int64_t* scalars, grid x, y, z, block x)."""
     start = cuda.index('extern "C"')
     own = dict.fromkeys(_OWN_SRC.findall(cuda[:start]))
     body = "\n".join(own) + "\n" + cuda[start:]
@@ -68,7 +68,7 @@ def emulator_source(cuda: str) -> tuple[str, dict]:
         cargs = ", ".join(f"({t})a[{i}]" if t.endswith("*") else f"({t})s[{i}]" for i, (t, _) in enumerate(plist))
         launchers.append(f'extern "C" void emu_{name}(void** a, const int64_t* s, int gx, int gy, int gz, int bx) '
                          f'{{ emu_launch(gx, gy, gz, bx, [=] {{ {name}({cargs}); }}); }}')
-    return prelude.source() + "\n" + body + "\n" + "\n".join(launchers) + "\n", kernels
+    return prelude.source() + "\n" + extra_prelude + "\n" + body + "\n" + "\n".join(launchers) + "\n", kernels
 
 
 def compile_shared(code: str, workdir: Path | None = None, name: str = "emu") -> ctypes.CDLL:
@@ -121,13 +121,16 @@ class EmuLib:
     lib(func, arrays, scalars) runs prim_func `func` the way its host code would: arrays by buffer name
     (C-contiguous numpy arrays, modified in place), scalars by name (the shape variables are read from the
     arrays' shapes; scalars given as well must agree). Workspaces the host allocates are fresh 0xff-filled
-    memory. cse=False lowers with TVM's common-subexpression elimination off (builds keep it on)."""
+    memory. cse=False lowers with TVM's common-subexpression elimination off (builds keep it on).
+    extra_prelude: C++ emulating device helpers that kernels outside compile/kernels/cuda call (the prelude
+    covers those of the package's kernel families)."""
 
-    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None, cse: bool = True):
+    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None, cse: bool = True,
+                 extra_prelude: str = ""):
         src, host = cuda_source(funcs, arch, cse=cse)
         self.host = HostProgram(host)
         self.signatures = {name: _signature(f) for name, f in funcs.items()}
-        code, self.kernels = emulator_source(src)
+        code, self.kernels = emulator_source(src, extra_prelude)
         self.lib = compile_shared(code, workdir)
 
     def kernel_names(self, func: str) -> list[str]:

@@ -343,9 +343,27 @@ static inline unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
 }
 """
 
+# compile/kernels/cuda/moe.py (_mma_helper, _LDW, _ATOMIC, _BF16X2: attention's and gemv's helpers renamed)
+MOE = r"""
+#define ninfer_moe_mma_bf16 ninfer_attn_mma_bf16
+#define ninfer_moe_mma_f16 ninfer_attn_mma_f16
+#define ninfer_moe_bf16x2_mul ninfer_bf16x2_mul
+static inline uint4 ninfer_moe_ldw(const void* p) { uint4 r; memcpy(&r, p, 16); return r; }
+// fibers switch only at barriers and warp collectives: a plain read-modify-write is atomic here
+static inline int ninfer_moe_atomic_add(int* p, int v) { int o = *p; *p += v; return o; }
+"""
+
+# compile/kernels/cuda/sampling.py (T.cuda.atomic_add on shared memory, __dmul_rn; __fdiv_rn is in CORE)
+SAMPLER = r"""
+template <class T> static T tvm_builtin_cuda_atomic_add(T* addr, T value) {
+  T old = *addr; *addr = old + value; return old;  // atomic for the same reason as ninfer_moe_atomic_add
+}
+static double __dmul_rn(double a, double b) { return a * b; }
+"""
+
 
 def source() -> str:
     """The whole prelude: CORE, then every kernel family's helpers (their names do not collide)."""
     from .. import gemv
 
-    return "\n".join((CORE, MMA16, ATTENTION, GDN, GEMV, gemv._NVFP4_DQ_BODY))
+    return "\n".join((CORE, MMA16, ATTENTION, GDN, GEMV, gemv._NVFP4_DQ_BODY, MOE, SAMPLER))
