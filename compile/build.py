@@ -53,15 +53,23 @@ def rope_tables_for(cfg: ModelConfig, overrides: dict) -> tuple[np.ndarray, floa
 
 
 def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool,
-               mtp: bool = False) -> str:
+               mtp: bool = False, tap_layers: tuple = ()) -> str:
     """Libraries depend only on geometry, dtypes, KV rotation, target, TVM and our compiler sources."""
+    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
+    extra = b"mtp" if mtp else b""  # the MTP head is compiled only when the checkpoint has it
+    if tap_layers:
+        extra += b"taps" + json.dumps(list(tap_layers)).encode()
+    return library_key([geo, dtype, kv_dtype, kv_hadamard], target, extra)
+
+
+def library_key(payload, target: TargetSpec, extra: bytes = b"") -> str:
+    """Cache key of a library: what it was built from (JSON-able payload), the target, TVM, our
+    compiler sources and (CUDA) the schedule files."""
     import tvm
 
     h = hashlib.sha256()
-    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    h.update(json.dumps([geo, dtype, kv_dtype, kv_hadamard, target.name, tvm.__version__], sort_keys=True).encode())
-    if mtp:  # the MTP head is compiled only when the checkpoint has it
-        h.update(b"mtp")
+    h.update(json.dumps([payload, target.name, tvm.__version__], sort_keys=True).encode())
+    h.update(extra)
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
     if target.kind == "cuda":  # schedule choices shape the CUDA library
@@ -88,16 +96,15 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                  fp4_mma: bool = False) -> list:
+                  fp4_mma: bool = False, tap_layers: tuple = ()) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
+    tap_layers: also export prefill_t / verify_t for a DFlash drafter (compile/model.py).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (the test suite does).
     """
-    from tvm import relax
-
     from .kernels.dequant import fp4_mma_scope
 
     kv_dtype = kv_dtype or dtype
@@ -106,17 +113,27 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
     arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
     with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
-        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant)
+        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
+                                  tap_layers=tap_layers)
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
+    key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, tap_layers)
+           + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else ""))
+    build_relax_library(mod, target, lib_path, key)
+    return specs
+
+
+def build_relax_library(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
+    """Build a relax module for the target into lib_path; with NINFER_LIB_CACHE set, a library of the
+    same key is copied instead (and a fresh build is stored there)."""
+    from tvm import relax
+
     cache = os.environ.get("NINFER_LIB_CACHE")
-    key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
-           + ("-fp4mma" if fp4_mma else ""))
     cached = Path(cache) / f"{key}.so" if cache else None
     if cached is not None and cached.is_file():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(cached, lib_path)
-        return specs
+        return
     tgt = target.tvm_target()
     if target.kind == "cuda":
         from .gpu_pipeline import build_cuda
@@ -132,7 +149,6 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
         shutil.copy2(lib_path, tmp)
         os.replace(tmp, cached)
-    return specs
 
 
 def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
@@ -157,14 +173,30 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, log=print) -> Path:
+                  random_weights: int | None = None, tap_layers: str | list | None = None, log=print) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
-    unless asked (--allow-random-weights)."""
+    unless asked (--allow-random-weights).
+    tap_layers: decoder layers whose outputs prefill_t / verify_t return for a DFlash drafter: ids
+    ("5,19,33") or a drafter directory (its target_layer_ids); None: no tap functions.
+    A DFlash / DFlash2 drafter directory (config.json architectures DFlashDraftModel / DFlash2DraftModel)
+    compiles as a drafter artifact instead (compile/dflash/build.py)."""
     model_dir = Path(model_dir)
+    from .dflash.config import is_drafter_config, parse_tap_layers, read_raw_config
+
+    if is_drafter_config(read_raw_config(model_dir)):
+        if tap_layers is not None or rope_overrides and any(v is not None for v in rope_overrides.values()) \
+                or kv_dtype is not None or kv_hadamard or fp4_mma not in (None, "auto", "off", False):
+            raise ConfigError(f"{model_dir} is a DFlash drafter: --tap-layers, --kv-dtype, --kv-hadamard, --fp4-mma "
+                              "and rope overrides apply to target models only")
+        from .dflash.build import compile_drafter
+
+        return compile_drafter(model_dir, target=target, quant=quant, out_dir=out_dir, name=name,
+                               random_weights=random_weights, log=log)
     cfg = load_config(model_dir)
+    taps = parse_tap_layers(tap_layers, cfg.num_hidden_layers) if tap_layers is not None else ()
     tspec = parse_target(target)
     if quant not in QUANT_MODES:
         raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_MODES)}")
@@ -208,7 +240,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(
         n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0]))
     specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                          fp4_mma=use_fp4_mma)
+                          fp4_mma=use_fp4_mma, tap_layers=taps)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -233,7 +265,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma),
+                "fp4_mma": bool(use_fp4_mma), **({"tap_layers": list(taps)} if taps else {}),
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {})},
     ))
     log(f"wrote {out}")

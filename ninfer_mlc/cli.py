@@ -17,7 +17,7 @@ def _compile(args) -> int:
     try:
         compile_model(args.model_dir, target=args.target, quant=args.quant, max_context=args.max_context,
                       out_dir=args.output, name=args.name, kv_dtype=args.kv_dtype, kv_hadamard=args.kv_hadamard,
-                      fp4_mma=args.fp4_mma, random_weights=args.random_weights,
+                      fp4_mma=args.fp4_mma, random_weights=args.random_weights, tap_layers=args.tap_layers,
                       rope_overrides={"scaling_type": args.rope_scaling_type, "factor": args.rope_scaling_factor,
                                       "original_context": args.rope_scaling_original_context})
     except (ConfigError, ConversionError, TargetError) as e:
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="Compiler-based engine for Qwen3.x hybrid models")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("compile", help="compile a Hugging Face model directory into dist/NAME/")
+    c = sub.add_parser("compile", help="compile a Hugging Face model (or DFlash drafter) directory into dist/NAME/")
     c.add_argument("model_dir")
     c.add_argument("--target", default="llvm", help="llvm | cuda:sm_90 | cuda:sm_120")
     c.add_argument("--quant", default="f32", help="f32 | bf16 | nvfp4 (NVFP4 decoder weights with fused dequant; bf16 activations on CUDA, f32 on CPU)")
@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="benchmark artifact: no converted weights (only config.json is read); every parameter is "
                         "drawn on the device at load time from SEED. `ninfer serve` refuses it unless given "
                         "--allow-random-weights")
+    c.add_argument("--tap-layers", default=None, metavar="IDS|DRAFTER_DIR",
+                   help="for --spec dflash|dflash2: also compile prefill_t / verify_t, which return the outputs of "
+                        "these decoder layers (comma-separated ids, or a DFlash drafter directory: its "
+                        "target_layer_ids). A DFlash drafter directory given as MODEL_DIR compiles the drafter itself "
+                        "(--quant f32 or bf16: the target's activation dtype)")
     c.add_argument("-o", "--output", default=None, help="output directory (default dist/NAME)")
     c.add_argument("--name", default=None)
     c.add_argument("--rope-scaling-type", choices=["linear", "yarn"], default=None)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..contract.generation import read_generation_defaults
-from .config import EngineConfig
+from .config import DFLASH_METHODS, EngineConfig
 from .engine import Engine
 from .executor.model_runner import ModelRunner
 from .kv.host_tier import HostTier
@@ -32,7 +32,12 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
     if cap is None:
         cap = "auto" if runner.device_kind == "cuda" else max_context * cfg.max_concurrency
     if str(cap) == "auto":
-        cap = runner.auto_kv_tokens(cfg.device_slots)
+        extra = 0
+        if cfg.spec in DFLASH_METHODS:  # [dflash hook] the drafter's paged layers share the page ids
+            from .spec.dflash_runner import paged_bytes_per_page
+
+            extra = paged_bytes_per_page(cfg.draft_model)
+        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra)
     return int(cap)
 
 
@@ -44,6 +49,10 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
     runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    if cfg.spec in DFLASH_METHODS:  # [dflash hook] before the host tier, which moves it with the pages
+        from .spec.dflash_runner import attach_paged_pool
+
+        attach_paged_pool(runner, cfg.draft_model)
     cache = host = None
     if cfg.prefix_reuse:
         cache = PrefixCache(cfg.max_cache_entries)

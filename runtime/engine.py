@@ -123,7 +123,8 @@ class Engine:
             from .spec.decoder import SpeculativeDecoder, make_proposer
 
             self.spec = SpeculativeDecoder(runner, kv, make_proposer(cfg, runner, kv, sorted(self.eos_ids)),
-                                           cfg.draft_tokens, self.sampler, self.spec_counters)
+                                           cfg.draft_tokens, self.sampler, self.spec_counters,
+                                           forced_acceptance=cfg.forced_acceptance)
         self.scheduler = Scheduler(kv, self.counters, max_concurrency=cfg.max_concurrency,
                                    prefill_chunk=cfg.prefill_chunk, max_context=self.max_context,
                                    pending_timeout_ms=cfg.pending_timeout_ms, turn_start=turn_start, think=think,

@@ -487,6 +487,12 @@ def _penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[R
     return x
 
 
+def penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[RowState]) -> np.ndarray:
+    """The logits a request samples from before temperature and truncation (logit_bias, penalties):
+    what a proposer ranks its candidates by (DFlash2's selector)."""
+    return _penalised_logits(row, params, state)
+
+
 def argmax(x: np.ndarray) -> int:
     """Argmax, ties -> lowest id; NaN logits are treated as -inf."""
     i = int(np.argmax(x))

@@ -220,6 +220,9 @@ def load_state(args, engine: Any = None) -> ServerState:
         raise CLIError(f"model: {model_dir} is a random-weights benchmark artifact (ninfer compile --random-weights); "
                        "its answers are noise. Pass --allow-random-weights to serve it for a benchmark")
     cfg = engine_config(args, manifest)
+    if cfg.forced_acceptance is not None and not opts.allow_forced_acceptance:
+        raise CLIError("--forced-acceptance is a benchmark profile (drafts are kept whatever the model says, so the "
+                       "output is not the model's); pass --allow-forced-acceptance to run it")
     check_serve_options(opts, cfg.max_context or manifest.max_context)
     overrides = sampling_overrides(from_args(SamplingFlags, args))
     try:
