@@ -120,6 +120,36 @@ def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor | None = None)
     return residual + linear(x)
 
 
+@contextlib.contextmanager
+def prefill_gemm_scope(gemm):
+    """Trace a prefill-rows function: projections through the kernel set's prefill GEMM (the decode GEMV's
+    contract and epilogues; sm_90 only). NVFP4 weights ask for weight_format "nvfp4" (no such GEMM: None)
+    and then "dequantized" (the dense GEMM over the weight dequantized once per call); other targets keep
+    their path."""
+
+    def factory(k, o, dtype, out_dtype, epilogue, weight_format=None):
+        if weight_format not in (None, "dequantized"):
+            return None
+        return gemm(k, o, dtype, out_dtype, epilogue)
+
+    token = _GEMV.set(factory if gemm is not None else None)
+    try:
+        yield
+    finally:
+        _GEMV.reset(token)
+
+
+@contextlib.contextmanager
+def decode_gemv_scope(gemv):
+    """Trace a decode-rows function (rows = batch, or a few per sequence): projections through the kernel
+    set's GEMV (None: relax matmuls)."""
+    token = _GEMV.set(gemv)
+    try:
+        yield
+    finally:
+        _GEMV.reset(token)
+
+
 class Linear(nn.Module):
     """y = x W^T without bias, accumulated in fp32 and cast back (bf16 sums over 17k inputs drift)."""
 
@@ -402,33 +432,11 @@ class Qwen3xForCausalLM(nn.Module):
         if self.has_mtp:
             self.mtp = MTPHead(cfg, dtype, kernels, kv_hadamard)
 
-    @contextlib.contextmanager
     def _prefill_gemm(self):
-        """Trace a prefill-rows function: projections through the kernel set's prefill GEMM (the decode GEMV's
-        contract and epilogues; sm_90 only). NVFP4 weights ask for weight_format "nvfp4" (no such GEMM: None)
-        and then "dequantized" (the dense GEMM over the weight dequantized once per call); other targets keep
-        their path."""
-        gemm = self._gemm_factory
+        return prefill_gemm_scope(self._gemm_factory)
 
-        def factory(k, o, dtype, out_dtype, epilogue, weight_format=None):
-            if weight_format not in (None, "dequantized"):
-                return None
-            return gemm(k, o, dtype, out_dtype, epilogue)
-
-        token = _GEMV.set(factory if gemm is not None else None)
-        try:
-            yield
-        finally:
-            _GEMV.reset(token)
-
-    @contextlib.contextmanager
     def _decode_gemv(self):
-        """Trace a decode-rows function (rows = batch): projections through the kernel set's GEMV."""
-        token = _GEMV.set(self._gemv_factory)
-        try:
-            yield
-        finally:
-            _GEMV.reset(token)
+        return decode_gemv_scope(self._gemv_factory)
 
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
               kv_pool, conv_pool, ssm_pool, recurrent: bool, taps: list | None = None):

@@ -220,19 +220,19 @@ def test_engine_context_matches_reference(arts, hf_target):
     assert checked == 4
 
 
-def _restore_session(arts, kv_tokens: int, stale: bool = False):
+def _restore_session(arts, kv_tokens: int, stale: bool = False, spec: str = "dflash2"):
     """A prompt, an unrelated request, then the first conversation continued by more than the window
     (greedy, --spec dflash2): with `kv_tokens` 384 the first entry is demoted to the host while the second
     request reuses its device pages and comes back from the host; with 4096 it is restored from the device.
     Returns the continuation, its Finished, the KV stats, the host transfers and the blocks drafted for it."""
     o = EngineConfig(max_concurrency=1, max_context=1024, host_kv_mib=16, host_state_slots=2, host_ram_reserve_mib=0,
-                     device_state_slots=1, spec="dflash2", draft_tokens=3, draft_model=str(arts["dflash2"][0]),
-                     kv_capacity=kv_tokens)
+                     device_state_slots=1, spec=spec, draft_tokens=3,
+                     draft_model=str(arts["dflash2"][0]) if spec != "none" else None, kv_capacity=kv_tokens)
     eng = open_engine(arts["target"], o, meminfo_reader=PLENTY)
     if stale:  # a host tier that moves only the target's pages (and the MTP head's)
         host = eng.kv.host
         host._device_page = lambda p, f=host._device_page: f(p)[:2]
-    blocks = _spy_blocks(eng)
+    blocks = _spy_blocks(eng) if spec != "none" else []
     prompt, other, extra = (_ids(n, seed=30 + n) for n in (150, 250, 30))
 
     def ask(ids, n):
@@ -246,24 +246,31 @@ def _restore_session(arts, kv_tokens: int, stale: bool = False):
         ask(other, 24)
         n_before = len(blocks)
         out2, fin = ask(prompt + out1 + extra, 16)
-        return out2, fin, dict(eng.kv.stats), dict(eng.kv.host.stats), blocks[n_before:]
+        return out2, fin, dict(eng.kv.stats), dict(eng.kv.host.stats), blocks[n_before:], prompt + out1 + extra + out2
     finally:
         eng.stop()
 
 
-def test_drafter_kv_moves_with_the_host_tier(arts):
-    """The drafter's paged-layer KV of a prefix spilled to the host comes back with it: the blocks drafted
-    after a host restore are those after a device restore; without it they are not (the test can see)."""
-    out_d, fin_d, st_d, _, bl_d = _restore_session(arts, 4096)
-    out_h, fin_h, st_h, tr_h, bl_h = _restore_session(arts, 384)
+def test_drafter_kv_moves_with_the_host_tier(arts, hf_target):
+    """The drafter's paged-layer KV of a prefix spilled to the host comes back with it, and the ring layers
+    are rebuilt from the rows prefilled after the restore point (more than the window here): the blocks
+    drafted after a host restore are those after a device restore and the reference's from the whole
+    context; without the paged KV they are not (the test can see it). Greedy output equals no speculation."""
+    out_d, fin_d, st_d, _, bl_d, toks = _restore_session(arts, 4096)
+    out_h, fin_h, st_h, tr_h, bl_h, _ = _restore_session(arts, 384)
+    out_n = _restore_session(arts, 384, spec="none")[0]
     assert st_d["restores_device"] == 1 and st_d["restores_host"] == 0
     assert st_h["restores_host"] == 1 and st_h["private_owners_demoted"] >= 1
     assert fin_h.usage["cached_tokens"] == fin_d.usage["cached_tokens"] > 150
     assert tr_h["draft_kv_d2h_bytes"] > 0 and tr_h["draft_kv_h2d_bytes"] > 0
-    assert out_h == out_d and len(bl_h) == len(bl_d) > 0
+    assert out_h == out_d == out_n and len(bl_h) == len(bl_d) > 0
     for (_, s1, a1, l1), (_, s2, a2, l2) in zip(bl_d, bl_h):
         assert (s1, a1) == (s2, a2) and np.array_equal(l1, l2)
-    out_s, _, st_s, _, bl_s = _restore_session(arts, 384, stale=True)
+    for _, start, anchor, logits in bl_h[:2]:
+        assert toks[start] == anchor
+        ref, _, _ = _reference_block(arts["dflash2"][1], hf_target, toks, start)
+        assert rel_err(logits, ref[: len(logits)]) < 1e-4, start
+    out_s, _, st_s, _, bl_s, _ = _restore_session(arts, 384, stale=True)
     assert st_s["restores_host"] == 1 and out_s == out_d  # lossless whatever the drafter sees
     assert any(not np.allclose(l1, l2) for (_, _, _, l1), (_, _, _, l2) in zip(bl_d, bl_s))
 
@@ -384,3 +391,14 @@ def test_drafter_memory_is_bounded(arts):
                            "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "causal": [True] * 4 + [False]})
     assert big.kv_bytes_per_token(2) == 4096  # bf16: one full layer, 4 KiB per context token (1 GiB at 262k)
     assert big.ring_bytes_per_sequence(2) == 4 * 2 * 8 * 2056 * 128 * 2  # ~32 MiB per request, any context
+
+
+def test_top_k_ids_is_exact():
+    from ninfer_mlc.runtime.spec.selector import top_k_ids
+
+    rng = np.random.default_rng(4)
+    for v, k in ((248320, 16), (5000, 4), (40, 4)):
+        for _ in range(5):
+            row = rng.standard_normal(v).astype(np.float32)
+            row[rng.integers(0, v, 8)] += 10  # several large values in few chunks
+            assert set(top_k_ids(row, k).tolist()) == set(np.argsort(-row)[:k].tolist())

@@ -41,7 +41,7 @@ from tvm.relax.frontend.nn import op
 from ...contract.pool_layout import PAGE_SIZE
 from ..kernels.registry import kernel_set
 from ..kernels.rope import apply_rope
-from ..model import _NORM, MLP, Linear, RMSNorm, Weight, _i32
+from ..model import _NORM, MLP, Linear, RMSNorm, Weight, _gemv, _i32, decode_gemv_scope, prefill_gemm_scope
 from ...contract.drafter import DrafterConfig
 from .kernels import paged_append, ring_append
 
@@ -113,6 +113,8 @@ class DFlashDrafter(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         kernels = kernel_set(target_kind, None)
         gpu = target_kind == "cuda"
+        # CUDA: projections through the hand-written GEMV (a block's few rows) / prefill GEMM (context rows)
+        self._gemv_factory, self._gemm_factory = getattr(kernels, "gemv", None), getattr(kernels, "gemm", None)
         token = _NORM.set(getattr(kernels, "rms_norm", None))
         try:
             d = cfg.hidden_size
@@ -230,17 +232,23 @@ class DFlashDrafter(nn.Module):
         return pools
 
     def ctx(self, taps, positions, token_seq, page_table, lanes, ring_keep, paged_pool=None, ring_pool=None):
-        pools = self._pools_in(paged_pool, ring_pool)
-        c = self.hidden_norm(self.fc(taps))
-        for i, layer in enumerate(self.layers):
-            k, v = self._kv(layer.self_attn, c, positions)
-            self._write(i, k, v, positions, token_seq, page_table, lanes, ring_keep, pools)
-        return self._pools_out(pools)
+        with prefill_gemm_scope(self._gemm_factory):
+            pools = self._pools_in(paged_pool, ring_pool)
+            c = self.hidden_norm(self.fc(taps))
+            for i, layer in enumerate(self.layers):
+                k, v = self._kv(layer.self_attn, c, positions)
+                self._write(i, k, v, positions, token_seq, page_table, lanes, ring_keep, pools)
+            return self._pools_out(pools)
 
     def draft(self, tokens, positions, attn_pos, kv_rows, token_seq, page_table, lanes, ring_lo, logit_rows,
               embed, lm_head, paged_pool=None, ring_pool=None):
+        with decode_gemv_scope(self._gemv_factory):
+            return self._draft(tokens, positions, attn_pos, kv_rows, token_seq, page_table, lanes, ring_lo,
+                               logit_rows, embed, lm_head, self._pools_in(paged_pool, ring_pool))
+
+    def _draft(self, tokens, positions, attn_pos, kv_rows, token_seq, page_table, lanes, ring_lo, logit_rows,
+               embed, lm_head, pools: dict):
         cfg = self.cfg
-        pools = self._pools_in(paged_pool, ring_pool)
         x = op.take(embed, tokens, axis=0)
         if cfg.input_embedding_scale != 1.0:
             x = x * cfg.input_embedding_scale
@@ -261,7 +269,9 @@ class DFlashDrafter(nn.Module):
             m = layer.mlp(h)
             x = x + (layer.mlp_conv.apply(m, dyn, 1) if conv else m)
         hr = op.take(self.norm(x), logit_rows, axis=0)
-        logits = op.matmul(hr, op.permute_dims(lm_head), out_dtype="float32")
+        logits = _gemv(hr, lm_head, out_dtype="float32", name="gemv_lm_head")  # CUDA: the decode GEMV, fp32 out
+        if logits is None:
+            logits = op.matmul(hr, op.permute_dims(lm_head), out_dtype="float32")
         if cfg.output_multiplier != 1.0:
             logits = logits * cfg.output_multiplier
         if cfg.final_logit_softcapping is not None:

@@ -84,6 +84,9 @@ class ModelRunner:
         if name not in self.page_pools:
             pool = self.tvm.runtime.empty((self.num_pages,) + tuple(page_shape), dtype, self.dev)
             self.page_pools[name] = (pool, tuple(page_shape), dtype)
+            zero = np.zeros(page_shape, np_dtype(dtype))  # a position never written must read finite values
+            for p in range(self.num_pages):
+                self.pool_page_view(name, p).copyfrom(zero)
         return self.page_pools[name][0]
 
     def pool_page_view(self, name: str, page: int):

@@ -16,6 +16,18 @@ from typing import Callable, Optional
 import numpy as np
 
 
+def top_k_ids(row: np.ndarray, k: int, chunk: int = 256) -> np.ndarray:
+    """Ids of the k largest entries (any order). Exact and ~5x faster than one argpartition over a 248k
+    vocabulary: every top-k entry lies in a chunk whose maximum is >= the k-th largest value, and at most k
+    chunks have such a maximum, so the k chunks with the largest maxima (plus the tail) hold them all."""
+    n = row.shape[0] // chunk
+    if n <= 2 * k:
+        return np.argpartition(-row, k - 1)[:k]
+    best = np.argpartition(-row[: n * chunk].reshape(n, chunk).max(1), k - 1)[:k]
+    cand = np.concatenate([(best[:, None] * chunk + np.arange(chunk)).ravel(), np.arange(n * chunk, row.shape[0])])
+    return cand[np.argpartition(-row[cand], k - 1)[:k]]
+
+
 class CandidateSelector:
     def __init__(self, predecessor: np.ndarray, successor: np.ndarray, top_k: int):
         self.pred, self.succ, self.top_k = predecessor, successor, int(top_k)
@@ -25,7 +37,7 @@ class CandidateSelector:
         """(candidate ids [K], their transition scores [K]) of one block row after `predecessor`; `ranked`:
         the row the candidates are picked from (default: the logits)."""
         k = min(self.top_k, logits_row.shape[0])
-        cand = np.argpartition(-(logits_row if ranked is None else ranked), k - 1)[:k]
+        cand = top_k_ids(logits_row if ranked is None else ranked, k)
         a = self.pred[predecessor].astype(np.float32) * hidden_row.astype(np.float32)
         return cand, logits_row[cand].astype(np.float32) + self.succ[cand].astype(np.float32) @ a
 
