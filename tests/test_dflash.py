@@ -242,10 +242,10 @@ def _restore_session(arts, kv_tokens: int, stale: bool = False, spec: str = "dfl
         return [t for e in evs[:-1] if hasattr(e, "token_ids") for t in e.token_ids], evs[-1]
 
     try:
-        out1, _ = ask(prompt, 24)
-        ask(other, 24)
+        out1, _ = ask(prompt, 16)
+        ask(other, 8)
         n_before = len(blocks)
-        out2, fin = ask(prompt + out1 + extra, 16)
+        out2, fin = ask(prompt + out1 + extra, 10)
         return out2, fin, dict(eng.kv.stats), dict(eng.kv.host.stats), blocks[n_before:], prompt + out1 + extra + out2
     finally:
         eng.stop()
