@@ -402,3 +402,28 @@ def test_top_k_ids_is_exact():
             row = rng.standard_normal(v).astype(np.float32)
             row[rng.integers(0, v, 8)] += 10  # several large values in few chunks
             assert set(top_k_ids(row, k).tolist()) == set(np.argsort(-row)[:k].tolist())
+
+
+def test_cuda_drafter_projections_use_the_gemv_and_gemm(arts):
+    """On CUDA the block's projections and the lm_head run through the decode GEMV (fp32 logits) and the
+    context's through the sm_90 prefill GEMM; the kernels the drafter adds are thread-bound."""
+    import re
+
+    import tvm
+    from tvm.target import Target
+
+    from ninfer_mlc.compile.dflash.model import DFlashDrafter
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
+    from ninfer_mlc.contract.drafter import DrafterConfig
+    from ninfer_mlc.contract.manifest import read_manifest
+
+    cfg = DrafterConfig.from_dict(read_manifest(arts["dflash2"][0]).config)
+    with Target({"kind": "cuda", "arch": "sm_90"}):
+        m = DFlashDrafter(cfg, "bfloat16", "cuda")
+    mod = m.export_tvm(spec=m.export_spec())[0]
+    fns = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.relax.Function)}
+    draft = fns["draft"].script()
+    gemv = set(re.findall(r"call_tir\((?:cls\.)?(gemv\w*)", draft))
+    assert any("silu_mul" in c for c in gemv) and any(c.endswith("_f32") for c in gemv)
+    assert re.search(r"call_tir\((?:cls\.)?gemm", fns["ctx"].script())
+    assert is_thread_bound(m.paged_append) and is_thread_bound(m.ring_append)
