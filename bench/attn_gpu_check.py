@@ -988,6 +988,23 @@ static unsigned ninfer_attn_pack_f16x2(float lo, float hi) {
   uint16_t x, y; memcpy(&x, &a, 2); memcpy(&y, &b, 2);
   return (unsigned)x | ((unsigned)y << 16);
 }
+// ---- compile/kernels/cuda/moe.py's helpers ------------------------------------------------------------
+#define ninfer_moe_mma_bf16 ninfer_attn_mma_bf16
+#define ninfer_moe_mma_f16 ninfer_attn_mma_f16
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static inline uint4 ninfer_moe_ldw(const void* p) { uint4 r; memcpy(&r, p, 16); return r; }
+// fibers switch only at barriers and warp collectives: a plain read-modify-write is atomic here
+static inline int ninfer_moe_atomic_add(int* p, int v) { int o = *p; *p += v; return o; }
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+// fma.rn.bf16x2(a, b, -0): the exact fp32 product rounded to nearest even bf16 (as bench/gemv_gpu_check.py's shim)
+static inline unsigned ninfer_moe_bf16x2_mul(unsigned a, unsigned b) {
+  float lo = emu_h2f_bf16(a & 0xffffu) * emu_h2f_bf16(b & 0xffffu), hi = emu_h2f_bf16(a >> 16) * emu_h2f_bf16(b >> 16);
+  return (unsigned)nv_bfloat16(lo).b | ((unsigned)nv_bfloat16(hi).b << 16);
+}
 """
 
 _KERNEL_SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, *\d+)?\) (\w+)\((.*?)\) \{')
@@ -1087,7 +1104,8 @@ def cuda_source(funcs: dict, arch: str = "sm_90", cse: bool = True):
 class EmuLib:
     """A g++-built CPU emulation of the CUDA kernels of some prim_funcs (see the module docstring)."""
 
-    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None):
+    def __init__(self, funcs: dict, arch: str = "sm_90", workdir: Path | None = None, extra_prelude: str = ""):
+        """extra_prelude: C++ emulating device helpers other kernels call (atomics, intrinsics)."""
         src, host = cuda_source(funcs, arch, cse=False)  # CSE off: kernel scalars are the named shape vars
         self.launches = self._parse_host(host, list(funcs))
         body = src[src.index('extern "C"'):]
@@ -1112,7 +1130,7 @@ class EmuLib:
             cargs = ", ".join(f"({t})a[{i}]" if t.endswith("*") else f"({t})s[{i}]" for i, (t, _) in enumerate(plist))
             wrappers.append(f'extern "C" void emu_{name}(void** a, const int64_t* s, int gx, int gy, int gz, int bx) '
                             f'{{ emu_launch(gx, gy, gz, bx, [=] {{ {name}({cargs}); }}); }}')
-        code = _EMU_PRELUDE + "\n" + body + "\n" + "\n".join(wrappers) + "\n"
+        code = _EMU_PRELUDE + "\n" + extra_prelude + "\n" + body + "\n" + "\n".join(wrappers) + "\n"
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="attn_emu_"))
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "emu.cpp").write_text(code)

@@ -225,6 +225,22 @@ def run_scenarios(runner, ids) -> dict:
         runner.free_seq(s)
     for i in range(3):
         out[f"batched_{i}"] = np.stack(tog[i])
+    if runner.has_verify:  # speculative rounds: 3 verifies (and MTP steps) of one shape: eager, capture, replay
+        seq = runner.new_seq()
+        _, (h,) = runner.prefill_h([(seq, ids[:PROMPT])])
+        rows, hid = [], []
+        for j in range(3):
+            (lg,), (hv,) = runner.verify([(seq, ids[PROMPT + 4 * j: PROMPT + 4 * j + 4])])
+            rows.append(lg)
+            hid.append(hv)
+        out["verify"] = np.concatenate(rows)
+        if runner.has_mtp:
+            mtp, hm = [], hid[-1][-1:]
+            for j in range(3):
+                lg, hm = runner.mtp_step([seq], hm, [ids[j]], [seq.length - 1])
+                mtp.append(lg[0])
+            out["mtp_step"] = np.stack(mtp)
+        runner.free_seq(seq)
     return out
 
 
@@ -233,8 +249,6 @@ def cmd_prep(a):
     os.environ.pop("NINFER_LIB_CACHE", None)
     import tvm
 
-    from ninfer_mlc.compile.build import build_library, compile_model
-    from ninfer_mlc.compile.config import parse_config
     from ninfer_mlc.compile.kernels.registry import kernel_set
     from ninfer_mlc.compile.targets import cuda_build_env, parse_target
 
@@ -285,15 +299,27 @@ def cmd_prep(a):
     print(f"kernels: {len(cases)} cases, {time.time() - t0:.1f}s", flush=True)
 
     # 2. tiny model artifacts + references
+    prep_tiny(out, arch, "qwen3_5", 11)
+    print(f"tiny: {time.time() - t0:.1f}s", flush=True)
+
+    # 3. full-size library
+    if not a.skip_27b:
+        _prep_27b(a, out, arch)
+
+
+def prep_tiny(out: Path, arch: str, family: str, seed: int, save: str = "save_hf") -> None:
+    """tests/hf_tiny.py's `family` model: OUT/tiny-{f32,bf16} built for cuda:ARCH and OUT/tiny_ref.npz (HF logits
+    and the llvm builds' run_scenarios outputs), what cmd_check compares. save: the hf_tiny checkpoint writer."""
     import torch
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from hf_tiny import make_hf_model, save_hf
+    import hf_tiny
 
+    from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.runtime.harness import Harness
 
-    model = make_hf_model("qwen3_5", seed=11)
-    hf_dir = save_hf(model, out / "_hf_tiny")
+    model = hf_tiny.make_hf_model(family, seed=seed)
+    hf_dir = getattr(hf_tiny, save)(model, out / "_hf_tiny")
     ids = tiny_ids(model.config.vocab_size)
     refs = {}
     with torch.no_grad():
@@ -308,11 +334,6 @@ def cmd_prep(a):
             refs[f"llvm_{quant}/{k}"] = v
     refs["ids"] = np.array(ids, np.int32)
     np.savez(out / "tiny_ref.npz", **refs)
-    print(f"tiny: {time.time() - t0:.1f}s", flush=True)
-
-    # 3. full-size library
-    if not a.skip_27b:
-        _prep_27b(a, out, arch)
 
 
 def _prep_27b(a, out: Path, arch: str):
@@ -409,6 +430,10 @@ def cmd_check(a):
         for k in ("prefill_all", "decode"):
             e[f"{k}_top1_agree_llvm"] = float(np.mean(got[k].argmax(-1) == ref[f"llvm_{quant}/{k}"].argmax(-1)))
         graphs_ok = e["graphs_vs_eager_maxabs"] == 0.0 and bool(graph_stats and graph_stats["replays"] > 0)
+        for name, g in (("verify", r.verify_graphs), ("mtp_step", r.mtp_graphs)):
+            if g is not None:  # the speculative functions replayed too
+                graph_stats[f"{name}_replays"] = g.stats["replays"]
+                graphs_ok &= g.stats["replays"] > 0
         if quant == "f32":
             passed = graphs_ok and all(v < 1e-3 for k, v in e.items() if "top1" not in k)
         else:
@@ -433,16 +458,25 @@ def _measure_floors(torch):
 
 
 def _gen_params(torch, specs, cfg):
-    """Random weights made on the GPU (nothing large travels). Scales keep activations finite."""
+    """Random weights made on the GPU (nothing large travels). Scales keep activations finite. Matrices of any
+    rank (MoE expert arrays [experts, out, in]) scale by their last axis; NVFP4 parameters (uint8 codes, E4M3
+    block scales, fp32 row scales) get random codes, scales in [0.5, 1) and row scales giving unit-variance rows."""
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
     out, keep, nbytes = [], [], {}
     rot = int(cfg["head_dim"] * float(cfg["rope"].get("partial_rotary_factor", 1.0)))
     theta = float(cfg["rope"].get("rope_theta", 1e4))
-    tmap = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    tmap = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+    shapes = {name: shape for name, shape, _ in specs}
     for name, shape, dtype in specs:
         tdt = tmap[dtype]
-        if name.endswith("rope_inv_freq"):
+        if dtype == "uint8":  # NVFP4 codes (two E2M1 per byte) or E4M3 block scales 0x30..0x37 (0.5 .. 0.94)
+            lo, hi = (0x30, 0x38) if name.endswith(".weight_scale") else (0, 256)
+            t = torch.randint(lo, hi, shape, device="cuda", dtype=torch.int32, generator=g).to(torch.uint8)
+        elif name.endswith(".weight_scale_2"):  # E2M1 x E4M3 of random codes / scales has rms ~2.2
+            fan_in = 2 * shapes[name[: -len("_scale_2")]][-1]
+            t = torch.full(shape, 1.0 / (2.2 * fan_in ** 0.5), device="cuda", dtype=tdt)
+        elif name.endswith("rope_inv_freq"):
             t = (1.0 / theta ** (torch.arange(0, rot, 2, device="cuda", dtype=torch.float32) / rot)).contiguous()
         elif name.endswith("rope_attn_factor"):
             t = torch.ones(shape, device="cuda", dtype=torch.float32)
@@ -455,7 +489,7 @@ def _gen_params(torch, specs, cfg):
         elif "conv1d" in name:
             t = torch.randn(shape, device="cuda", dtype=tdt, generator=g) * 0.3
         else:
-            fan_in = shape[-1] if len(shape) == 2 and "embed" not in name else 1
+            fan_in = shape[-1] if len(shape) >= 2 and "embed" not in name else 1
             t = torch.randn(shape, device="cuda", dtype=tdt, generator=g) * (fan_in ** -0.5)
         t = t.to(tdt).contiguous()
         keep.append(t)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn check bench spec specforced dflash sass hf
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check bench spec specforced dflash vision moe sass hf serve agent
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -18,17 +18,32 @@ run() { # name timeout cmd...
   timeout $to "$@" > $OUT/$name.log 2>&1; local rc=$?
   echo "== $name rc=$rc $(( $(date +%s) - t ))s" | tee -a $OUT/summary.txt
 }
+servewhl() { # the HTTP server's wheels (bench/serve_wheels.sh), once
+  [ -n "${SERVEWHL_DONE:-}" ] && return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ${SERVEWHL:-.gpu/servewhl}/*.whl >/dev/null 2>&1 \
+    || echo "server wheels install failed (run bench/serve_wheels.sh, carry .gpu/servewhl)" | tee -a $OUT/summary.txt
+  SERVEWHL_DONE=1
+}
 for step in "$@"; do
   case $step in
     gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
     attn) [ -d .gpu/attn ] && run attn 150 python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ;;
     gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
+    sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json --skip-forced ;;
     specforced) [ -d .gpu/spec/q27b-taps ] && run specforced 560 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;
     dflash) [ -d .gpu/dflash ] && run dflash 300 python3 bench/dflash_gpu_check.py run .gpu/dflash $OUT/dflash.json ;;
+    serve) servewhl; run serve ${SERVE_TIMEOUT:-570} python3 ${BENCH:-bench}/serve_bench.py ${SERVE_ART:-.gpu/serve} \
+             --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
+    agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \
+             --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/agent_server.log -o $OUT/agent.json ${AGENT_ARGS:-} ;;
+    vision) [ -d .gpu/vision ] && run vision 540 python3 bench/vision_gpu_bench.py run .gpu/vision $OUT/vision.json ${VISION_ARGS:-} ;;
+    moe) [ -d .gpu/moe ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check .gpu/moe $OUT/moe_check.json
+         run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels .gpu/moe $OUT/moe_kernels.json
+         run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench .gpu/moe $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)
       { for f in .gpu/sass/*.fatbin; do

@@ -1,8 +1,9 @@
 """HF transformers baseline on the same GPU: the Qwen3.x-27B geometry (random bf16 weights made on
 the GPU), decode tok/s at a given context and batch, and prefill tok/s — the shapes that
-bench/gpu_bench.py measures for our library.
+bench/gpu_bench.py measures for our library; with --moe the Qwen3.5/3.6-35B-A3B geometry
+(Qwen3_5MoeForCausalLM, bench/moe_gpu_bench.py's shapes).
 
-  python bench/hf_gpu_baseline.py OUT.json [--ctx 8192] [--batches 1,8] [--steps 8] [--prefill 8192]
+  python bench/hf_gpu_baseline.py OUT.json [--ctx 8192] [--batches 1,8] [--steps 8] [--prefill 8192] [--moe]
 
 transformers runs its own PyTorch GDN kernels here (no flash-linear-attention on the machine), i.e.
 what a user of plain transformers gets.
@@ -26,13 +27,26 @@ TINY = dict(GEOMETRY, vocab_size=512, hidden_size=64, intermediate_size=96, num_
             linear_key_head_dim=16, linear_value_head_dim=16)
 
 
-def build(torch, dev: str, geometry: dict):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+MOE_GEOMETRY = dict({k: v for k, v in GEOMETRY.items() if k != "intermediate_size"}, hidden_size=2048,
+                    num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, linear_num_value_heads=32,
+                    num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512)
+MOE_TINY = dict({k: v for k, v in TINY.items() if k != "intermediate_size"}, num_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
-    cfg = Qwen3_5TextConfig(**geometry)
+
+def build(torch, dev: str, geometry: dict):
+    if "num_experts" in geometry:
+        from transformers import Qwen3_5MoeForCausalLM as Model
+        from transformers import Qwen3_5MoeTextConfig as Config
+    else:
+        from transformers import Qwen3_5ForCausalLM as Model
+        from transformers import Qwen3_5TextConfig as Config
+
+    cfg = Config(**geometry)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg)
+        model = Model(cfg)
     model = model.to_empty(device=dev).to(torch.bfloat16).eval()
     g = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
@@ -63,6 +77,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--tiny", action="store_true", help="small geometry on the CPU (checks the script)")
+    ap.add_argument("--moe", action="store_true", help="the 35B-A3B MoE geometry instead of the 27B")
     a = ap.parse_args()
     import torch
 
@@ -72,7 +87,9 @@ def main() -> int:
     import transformers
 
     res["transformers"] = transformers.__version__
-    model, cfg = build(torch, dev, TINY if a.tiny else GEOMETRY)
+    geometry = (MOE_TINY if a.tiny else MOE_GEOMETRY) if a.moe else (TINY if a.tiny else GEOMETRY)
+    res["geometry"] = "qwen3.5-35b-a3b" if a.moe else "qwen3.x-27b"
+    model, cfg = build(torch, dev, geometry)
     res["weights_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     with torch.no_grad():
         if a.prefill:

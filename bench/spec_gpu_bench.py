@@ -98,7 +98,7 @@ def cmd_prep(a) -> int:
 def _prep_tiny(a, out: Path) -> None:
     from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.compile.tiny_default import generate
-    from ninfer_mlc.generate import THINK_EARLY_CLOSE, TURN_OPENER
+    from ninfer_mlc.runtime.assemble import THINK_EARLY_CLOSE, TURN_START
     from ninfer_mlc.paths import default_model_dir
     from ninfer_mlc.contract import safetensors_io
     from ninfer_mlc.runtime.tokenizer import load_tokenizer
@@ -124,7 +124,7 @@ def _prep_tiny(a, out: Path) -> None:
         same = mine.keys() == theirs.keys() and all(
             np.array_equal(np.asarray(mine[k], np.float32), np.asarray(theirs[k], np.float32)) for k in mine)
     tok = load_tokenizer(dst)
-    texts = {t: tok.encode(t, add_special_tokens=False).ids for t in (TURN_OPENER, THINK_EARLY_CLOSE)}
+    texts = {t: tok.encode(t, add_special_tokens=False).ids for t in (TURN_START, THINK_EARLY_CLOSE)}
     (out / "tiny_prompts.json").write_text(json.dumps({
         "prompts": [tok.encode(p).ids for p in spec_bench.PROMPTS],
         "encodings": texts, "weights_identical_to_dist": same, "quant": a.tiny_quant}, indent=0))
@@ -229,6 +229,9 @@ def _ensure_tokenizers(encodings: dict) -> str:
 
         def get_vocab(self, with_added_tokens=True):
             return dict(self._vocab)
+
+        def get_vocab_size(self, with_added_tokens=True):
+            return len(self._vocab)
 
         def decode(self, ids, skip_special_tokens=True):
             return "".join(self._inv.get(int(i), "") for i in ids)

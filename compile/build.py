@@ -12,13 +12,18 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..contract import safetensors_io
+from ..contract import safetensors_io, sampler_abi
 from ..contract.manifest import Manifest, write_manifest
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
+from .lib_build import build_cached
 from .model import PAGE_SIZE, Qwen3xForCausalLM
+from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
+from .sampler_module import ABI_VERSION as SAMPLER_ABI_VERSION, add_device_sampler
 from .targets import TargetSpec, cuda_build_env, parse_target
+from .vision_build import compile_vision, has_vision_weights
+from .vision_config import load_vision_config
 
 # --quant -> (activation dtype, weight format). nvfp4: decoder projections in NVFP4 (fused dequant),
 # activations bf16 on CUDA and f32 on CPU (where bf16 arithmetic is emulated).
@@ -27,8 +32,9 @@ QUANT_MODES = {"f32": ("float32", None), "bf16": ("bfloat16", None), "nvfp4": (N
 # (layouts in compile/kernels/attention_quant.py). Default: the model dtype.
 KV_DTYPES = {"f32": "float32", "bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 SHARD_BYTES = 1 << 30
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json", "config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json", "special_tokens_map.json", "config.json", "preprocessor_config.json")
+EXTRA_TEMPLATES = "additional_chat_templates"  # named chat templates (*.jinja) beside the default one
 
 
 def _np_dtype(dtype: str):
@@ -72,6 +78,7 @@ def library_key(payload, target: TargetSpec, extra: bytes = b"") -> str:
     h.update(extra)
     for src in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(src.read_bytes())
+    h.update(Path(sampler_abi.__file__).read_bytes())  # the sampler's layout is part of the library
     if target.kind == "cuda":  # schedule choices shape the CUDA library
         from .gpu_pipeline import SCHEDULE_DIR
 
@@ -96,11 +103,12 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                  fp4_mma: bool = False, tap_layers: tuple = ()) -> list:
+                  fp4_mma: bool = False, multimodal: bool = False, tap_layers: tuple = ()) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
+    multimodal: also compile prefill_mm / decode_mrope (checkpoints with a vision tower).
     tap_layers: also export prefill_t / verify_t for a DFlash drafter (compile/model.py).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (the test suite does).
@@ -114,44 +122,18 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
     with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
         model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                                  tap_layers=tap_layers)
+                                  multimodal=multimodal, tap_layers=tap_layers)
     mod, pspec = model.export_tvm(spec=model.export_spec())
+    with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
+        mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, tap_layers)
-           + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else ""))
-    build_relax_library(mod, target, lib_path, key)
+           + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
+    build_cached(mod, target, lib_path, key)
     return specs
 
 
-def build_relax_library(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
-    """Build a relax module for the target into lib_path; with NINFER_LIB_CACHE set, a library of the
-    same key is copied instead (and a fresh build is stored there)."""
-    from tvm import relax
-
-    cache = os.environ.get("NINFER_LIB_CACHE")
-    cached = Path(cache) / f"{key}.so" if cache else None
-    if cached is not None and cached.is_file():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(cached, lib_path)
-        return
-    tgt = target.tvm_target()
-    if target.kind == "cuda":
-        from .gpu_pipeline import build_cuda
-
-        with cuda_build_env(tgt):
-            ex = build_cuda(mod, tgt)
-    else:
-        ex = relax.build(mod, target=tgt)
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    ex.export_library(str(lib_path))
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copy2(lib_path, tmp)
-        os.replace(tmp, cached)
-
-
-def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
+def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progress = SILENT) -> list[str]:
     shards, cur, size = [], {}, 0
     for name, arr in params.items():
         if cur and size + arr.nbytes > SHARD_BYTES:
@@ -163,7 +145,7 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
         shards.append(cur)
     names = []
     (out_dir / "params").mkdir(parents=True, exist_ok=True)
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(progress.iterate(shards, "write weights", unit="shard")):
         rel = f"params/params_{i:05d}.safetensors"
         safetensors_io.save(out_dir / rel, shard)
         names.append(rel)
@@ -173,16 +155,19 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path) -> list[str]:
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, tap_layers: str | list | None = None, log=print) -> Path:
+                  random_weights: int | None = None, vision: bool = True, tap_layers: str | list | None = None,
+                  log=print, progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
     unless asked (--allow-random-weights).
+    vision: compile the vision tower when the checkpoint has one (compile/vision_build.py).
     tap_layers: decoder layers whose outputs prefill_t / verify_t return for a DFlash drafter: ids
     ("5,19,33") or a drafter directory (its target_layer_ids); None: no tap functions.
     A DFlash / DFlash2 drafter directory (config.json architectures DFlashDraftModel / DFlash2DraftModel)
-    compiles as a drafter artifact instead (compile/dflash/build.py)."""
+    compiles as a drafter artifact instead (compile/dflash/build.py).
+    progress: bars for the library build, the weight conversion and the shard writes."""
     model_dir = Path(model_dir)
     from .dflash.config import is_drafter_config, parse_tap_layers, read_raw_config
 
@@ -197,6 +182,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
                                random_weights=random_weights, log=log)
     cfg = load_config(model_dir)
     taps = parse_tap_layers(tap_layers, cfg.num_hidden_layers) if tap_layers is not None else ()
+    vcfg = load_vision_config(model_dir) if vision else None
     tspec = parse_target(target)
     if quant not in QUANT_MODES:
         raise ConfigError(f"--quant {quant!r} is not supported; use one of {sorted(QUANT_MODES)}")
@@ -229,34 +215,50 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
                           "raise --rope-scaling-factor")
     name = name or f"{model_dir.name}-{quant}-{tspec.name}" + ("-random" if random_weights is not None else "")
     out = Path(out_dir or Path("dist") / name)
-    if random_weights is None and not list(model_dir.glob("*.safetensors")):
-        raise ConfigError(f"{model_dir} has no *.safetensors weights (--random-weights builds a benchmark "
-                          "artifact from config.json alone)")
+    weight_files: list = []
+    if random_weights is None:
+        try:
+            weight_files = safetensors_io.weight_files(model_dir)
+        except safetensors_io.SafetensorsError as e:
+            raise ConfigError(str(e)) from None
+        if not weight_files:
+            raise ConfigError(f"{model_dir} has no *.safetensors weights (--random-weights builds a benchmark "
+                              "artifact from config.json alone)")
     out.mkdir(parents=True, exist_ok=True)
 
     t0 = time.time()
     lib_rel = f"{name}.so"
     # MTP head: config asks for it and the checkpoint carries mtp.* (transformers-saved checkpoints drop it)
-    mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(
-        n for f in sorted(model_dir.glob("*.safetensors")) for n in safetensors_io.read_header(f)[0]))
-    specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                          fp4_mma=use_fp4_mma, tap_layers=taps)
+    names = [n for f in weight_files for n in safetensors_io.read_header(f)[0]]
+    mtp = cfg.mtp_num_hidden_layers >= 1 and (random_weights is not None or checkpoint_has_mtp(names))
+    if vcfg is not None and (random_weights is not None or not has_vision_weights(names)):
+        vcfg = None  # a VLM config whose checkpoint was saved text-only (or a text-only benchmark artifact)
+    with progress.step(f"build {tspec.name} library"):
+        specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
+                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
+    vision_section = None
     if random_weights is None:
         np_dt = {d: _np_dtype(d) for d in ("float32", "bfloat16")}
-        params = hf_to_params(safetensors_io.load_dir(model_dir), cfg, specs, (inv_freq, factor),
+        tensors = safetensors_io.load_dir(model_dir)
+        vision_section = compile_vision(vcfg, tensors, tspec, dtype, out, log) if vcfg is not None else None
+        params = hf_to_params(tensors, cfg, specs, (inv_freq, factor),
                               cast=lambda a, dt: a if a.dtype == np_dt.get(dt, np.dtype(dt)) else
-                              np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))))
+                              np.asarray(a, dtype=np.float32).astype(np_dt.get(dt, np.dtype(dt))),
+                              track=progress.iterate)
     else:  # only the exact tables; the runtime draws the rest
         params = {"rope_inv_freq": np.asarray(inv_freq, np.float32), "rope_attn_factor": np.array([factor], np.float32)}
-    shards = write_weights(params, out)
+    shards = write_weights(params, out, progress)
     log(f"wrote {len(params)} weights into {len(shards)} shard(s) in {time.time() - t1:.1f}s"
         + (f" (random weights, seed {random_weights}: drawn at load time)" if random_weights is not None else ""))
     for f in TOKENIZER_FILES:
         if (model_dir / f).is_file():
             shutil.copy2(model_dir / f, out / f)
+    for f in sorted((model_dir / EXTRA_TEMPLATES).glob("*.jinja")):
+        (out / EXTRA_TEMPLATES).mkdir(exist_ok=True)
+        shutil.copy2(f, out / EXTRA_TEMPLATES / f.name)
 
     import tvm
 
@@ -265,8 +267,10 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma), **({"tap_layers": list(taps)} if taps else {}),
-                **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {})},
+                "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION,
+                **({"tap_layers": list(taps)} if taps else {}),
+                **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
+                **({"vision": vision_section} if vision_section else {})},
     ))
     log(f"wrote {out}")
     return out

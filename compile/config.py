@@ -1,7 +1,13 @@
 """Model geometry read from a Hugging Face config.json.
 
-One dataclass serves both checkpoint families (Qwen3.5/3.6 text and Qwen3-Next dense) because
+One dataclass serves both checkpoint families (Qwen3.5/3.6 text, dense or MoE, and Qwen3-Next) because
 after weight conversion they share one layout; `family` only steers the converter.
+
+Mixture-of-experts layers (num_experts > 0): a softmax top-k router over `num_experts` routed SwiGLU
+experts of `moe_intermediate_size`, renormalised when `norm_topk_prob` (Qwen3.5-MoE always), plus a
+shared SwiGLU expert of `shared_expert_intermediate_size` scaled by sigmoid(shared_expert_gate(x)).
+Qwen3.5-MoE puts one in every layer; Qwen3-Next in layer i when i is not in `mlp_only_layers` and
+(i + 1) % decoder_sparse_step == 0 (the others keep a dense MLP of `intermediate_size`).
 """
 from __future__ import annotations
 
@@ -13,9 +19,14 @@ from pathlib import Path
 _ARCH_FAMILY = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
     "Qwen3NextForCausalLM": "qwen3_next",
 }
-_MODEL_TYPE_FAMILY = {"qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_next": "qwen3_next"}
+_MODEL_TYPE_FAMILY = {"qwen3_5_text": "qwen3_5", "qwen3_5": "qwen3_5", "qwen3_5_moe_text": "qwen3_5",
+                      "qwen3_5_moe": "qwen3_5", "qwen3_next": "qwen3_next"}
+# model types whose every layer is MoE and whose router always renormalises the top-k (no dense MLP)
+_ALL_MOE_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 
 
 class ConfigError(ValueError):
@@ -43,6 +54,14 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     rope: dict = field(default_factory=dict)  # normalised rope_parameters (type, theta, partial factor, ...)
     mtp_num_hidden_layers: int = 0
+    # mixture of experts (num_experts 0: every layer has the dense MLP)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     architecture: str = ""
@@ -55,6 +74,16 @@ class ModelConfig:
     @property
     def gdn_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Layer `index` has the sparse MoE block (transformers' Qwen3NextDecoderLayer rule; the MTP
+        layer uses index 0, as vLLM's predictor does)."""
+        return (self.num_experts > 0 and index not in self.mlp_only_layers
+                and (index + 1) % max(1, self.decoder_sparse_step) == 0)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
     @property
     def rotary_dim(self) -> int:
@@ -73,11 +102,46 @@ class ModelConfig:
         return 2 * self.key_dim + self.value_dim
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """All fields; the MoE ones only for MoE models (dense manifests and library keys stay as they were)."""
+        d = asdict(self)
+        if not self.num_experts:
+            for f in _MOE_FIELDS:
+                d.pop(f)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         return cls(**d)
+
+
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+               "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+
+
+def _moe_fields(text: dict, all_moe: bool) -> dict:
+    """The MoE geometry of a config (empty for dense models), validated."""
+    e = int(text.get("num_experts", 0) or 0)
+    if e <= 0:
+        if all_moe:
+            raise ConfigError("a Qwen3.5-MoE config needs num_experts > 0")
+        return {}
+    try:
+        k = int(text["num_experts_per_tok"])
+        inter = int(text["moe_intermediate_size"])
+        shared = int(text["shared_expert_intermediate_size"])
+    except KeyError as err:
+        raise ConfigError(f"MoE config.json lacks required field {err.args[0]!r}") from None
+    if not 1 <= k <= e:
+        raise ConfigError(f"num_experts_per_tok {k} must be in 1..num_experts ({e})")
+    if inter < 1 or shared < 1:
+        raise ConfigError("moe_intermediate_size and shared_expert_intermediate_size must be positive "
+                          f"(got {inter}, {shared}); MoE layers without a shared expert are not supported")
+    step = 1 if all_moe else int(text.get("decoder_sparse_step", 1) or 1)
+    only = [] if all_moe else [int(i) for i in (text.get("mlp_only_layers") or [])]
+    return dict(num_experts=e, num_experts_per_tok=k, moe_intermediate_size=inter,
+                shared_expert_intermediate_size=shared,
+                norm_topk_prob=True if all_moe else bool(text.get("norm_topk_prob", True)),
+                decoder_sparse_step=step, mlp_only_layers=only)
 
 
 def _rope_parameters(text: dict) -> dict:
@@ -120,8 +184,8 @@ def parse_config(raw: dict) -> ModelConfig:
             f"{sorted(_ARCH_FAMILY)} (model_type {sorted(_MODEL_TYPE_FAMILY)})"
         )
     text = raw.get("text_config") or raw  # VLM checkpoints nest the decoder config
-    if family == "qwen3_next" and int(text.get("num_experts", 0) or 0) > 0:
-        raise ConfigError("Qwen3-Next mixture-of-experts layers are not supported yet (num_experts > 0)")
+    all_moe = (text.get("model_type") or model_type) in _ALL_MOE_TYPES or any("Moe" in a for a in archs)
+    moe = _moe_fields(text, all_moe)
     if text.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"hidden_act {text.get('hidden_act')!r} is not supported (expected silu)")
     try:
@@ -131,7 +195,8 @@ def parse_config(raw: dict) -> ModelConfig:
             family=family,
             vocab_size=int(text["vocab_size"]),
             hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
+            # MoE-only models (Qwen3.5-MoE) have no dense MLP
+            intermediate_size=int(text.get("intermediate_size") or 0) if all_moe else int(text["intermediate_size"]),
             num_hidden_layers=n,
             num_attention_heads=int(text["num_attention_heads"]),
             num_key_value_heads=int(text["num_key_value_heads"]),
@@ -150,6 +215,7 @@ def parse_config(raw: dict) -> ModelConfig:
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_id=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             architecture=(archs[0] if archs else model_type),
+            **moe,
         )
     except KeyError as e:
         raise ConfigError(f"config.json lacks required field {e.args[0]!r}") from None
@@ -161,6 +227,8 @@ def parse_config(raw: dict) -> ModelConfig:
         raise ConfigError(f"rotary dim {cfg.rotary_dim} must be even and <= head_dim {cfg.head_dim}")
     if not cfg.attn_layers:
         raise ConfigError("model has no full-attention layer")
+    if cfg.intermediate_size < 1 and len(cfg.moe_layers) < n:
+        raise ConfigError("intermediate_size is needed for the dense MLP layers of this config")
     return cfg
 
 

@@ -3,6 +3,7 @@
 What changes on the way: Qwen3-Next's grouped in_proj_qkvz / in_proj_ba are split into the
 Qwen3.5 layout (one model definition serves both); conv1d weights drop their singleton axis;
 zero-centred RMSNorm weights get the +1 folded in (not linear_attn.norm, which is a plain scale);
+MoE experts are stacked into per-layer arrays from either checkpoint layout (convert_moe.py);
 VLM prefixes are stripped; mtp.* weights (the MTP head) keep their names and are used when the model
 compiles the head; dtypes are set per parameter; the rope frequency table is added.
 """
@@ -74,12 +75,17 @@ def _nvfp4_part(src: dict[str, np.ndarray], part: str) -> dict[str, np.ndarray] 
     return q
 
 
-def _assemble_projections(src: dict[str, np.ndarray], param_names: list[str]) -> None:
+def _untracked(items, *_):
+    return items
+
+
+def _assemble_projections(src: dict[str, np.ndarray], param_names: list[str], track: Callable = _untracked) -> None:
     """Build every fused and/or NVFP4 projection the model asks for from the checkpoint's layers."""
     nvfp4 = {n[: -len(".weight_scale_2")] for n in param_names if n.endswith(".weight_scale_2")}
-    for name in param_names:
-        if not name.endswith(".weight"):
-            continue
+    weights = [n for n in param_names if n.endswith(".weight")]
+    if nvfp4:  # quantizing is the slow part; fusing alone is quick
+        weights = track(weights, "quantize weights", len(weights), "weight")
+    for name in weights:
         base = name[: -len(".weight")]
         parts = _parts(base)
         if base in nvfp4:
@@ -98,8 +104,11 @@ def hf_to_params(
     param_specs: Iterable[tuple[str, tuple, str]],
     rope_tables: tuple[np.ndarray, float],
     cast: Callable[[np.ndarray, str], np.ndarray] | None = None,
+    track: Callable = _untracked,
 ) -> dict[str, np.ndarray]:
-    """Map an HF state dict onto the compiled parameter list [(name, shape, dtype)]."""
+    """Map an HF state dict onto the compiled parameter list [(name, shape, dtype)].
+
+    track(items, desc, total, unit) -> items: wraps the long loops (a progress bar)."""
     src: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         name = _canonical_name(name)
@@ -114,7 +123,14 @@ def hf_to_params(
         else:
             src[name] = arr
     param_specs = list(param_specs)
-    _assemble_projections(src, [n for n, _, _ in param_specs])
+    names = [n for n, _, _ in param_specs]
+    built = set()
+    if cfg.num_experts:  # MoE: stacked expert arrays (compile/convert_moe.py), router + shared gate fused below
+        from .convert_moe import assemble_experts
+        from .moe import shared_folded
+
+        built = assemble_experts(src, names, cfg, shared_folded(cfg))
+    _assemble_projections(src, [n for n in names if n not in built], track)
     inv_freq, factor = rope_tables
     src["rope_inv_freq"] = np.asarray(inv_freq, np.float32)
     src["rope_attn_factor"] = np.array([factor], np.float32)
@@ -122,7 +138,7 @@ def hf_to_params(
     cast = cast or (lambda a, dt: a.astype(dt))
     out: dict[str, np.ndarray] = {}
     missing = []
-    for name, shape, dtype in param_specs:
+    for name, shape, dtype in track(param_specs, "convert weights", len(param_specs), "weight"):
         if name not in src:
             missing.append(name)
             continue

@@ -19,6 +19,13 @@ With tap layers (a DFlash drafter's target_layer_ids, `ninfer compile --tap-laye
   verify_t(same as verify) -> (logits[n,V], taps[n, T*D], pools...)
       taps: the outputs of decoder layers tap_layers (HF hidden_states[id + 1]), concatenated, in the
       activation dtype; the plain functions are unchanged.
+Images (multimodal=True, Qwen3_5ForConditionalGeneration checkpoints):
+  prefill_mm(tokens, positions, rope_positions[n,3], token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
+             image_embeds[m,D] f32, row_src[n], pools...) -> (logits[r,V], pools...)
+  decode_mrope(tokens[b], positions[b], rope_positions[b], page_table, slot_ids, pools...) -> (logits[b,V], ...)
+  (positions = cache slots / causal order; rope_positions = what RoPE rotates by, M-RoPE per token)
+The builder adds the device sampler's functions (sample, sampler_counts_add: compile/sampler_module.py), which
+take the logits these functions return.
 
 Parameter names follow transformers (model.layers.{i}.linear_attn.conv1d.weight ...), except that
 projections reading the same input are fused (FUSED_PROJECTIONS: gate_up_proj, qkv_proj,
@@ -41,6 +48,7 @@ from .kernels.registry import kernel_set
 from .nvfp4 import hadamard_matrix
 from .kernels.rope import apply_rope
 
+MROPE_SECTION = [11, 11, 10]  # transformers' default when rope_parameters has no mrope_section
 
 
 def _i32(v: int):
@@ -178,13 +186,27 @@ FUSED_PROJECTIONS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "linear_attn.in_proj_qkv_z": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z"),
     "linear_attn.in_proj_ba": ("linear_attn.in_proj_b", "linear_attn.in_proj_a"),
+    # MoE (compile/moe.py): the router and the shared expert's gate; an unfolded shared expert's gate / up
+    "mlp.router": ("mlp.gate", "mlp.shared_expert_gate"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 
 
+def _feed_forward(cfg: ModelConfig, dtype: str, index: int, kernels) -> nn.Module:
+    """The layer's MLP: the sparse MoE block where the config puts one (compile/moe.py), else the dense SwiGLU."""
+    if cfg.is_moe_layer(index):
+        from .moe import SparseMoeBlock  # moe.py builds on this module's Linear / MLP
+
+        return SparseMoeBlock(cfg, dtype, kernels)
+    return MLP(cfg, dtype)
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str):
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, dtype)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, dtype)
+    def __init__(self, cfg: ModelConfig, dtype: str, intermediate: int | None = None):
+        """intermediate: the hidden size of the SwiGLU (default: the config's dense intermediate_size)."""
+        inter = intermediate or cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * inter, dtype)
+        self.down_proj = _linear(inter, cfg.hidden_size, dtype)
 
     def forward(self, x, residual=None):
         """residual: return residual + mlp(x) (fused into the down projection by the decode GEMV)."""
@@ -220,8 +242,10 @@ class GatedAttention(nn.Module):
         if n_layers is not None:  # the MTP head's kernel (another pool shape) needs its own symbol
             self.kernel = self.kernel.with_attr("global_symbol", "attn_mtp")
 
-    def forward(self, x, rope, positions, token_seq, page_table, kv_pool, residual=None):
-        """residual: return residual + attention(x) (fused into o_proj by the decode GEMV)."""
+    def forward(self, x, rope, positions, token_seq, page_table, kv_pool, residual=None, rope_positions=None):
+        """residual: return residual + attention(x) (fused into o_proj by the decode GEMV).
+        rope_positions: what RoPE rotates by when it differs from the cache position (M-RoPE: [n, 3] or
+        [n] text positions shifted by the sequence's rope delta); None = positions."""
         cfg = self.cfg
         n = x.shape[0]
         hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -230,8 +254,10 @@ class GatedAttention(nn.Module):
         k = op.reshape(k, (n, hkv, dh))
         v = op.reshape(v, (n, hkv, dh))
         inv_freq, factor = rope
-        q = apply_rope(self.q_norm(q), positions, inv_freq, factor, cfg.rotary_dim, "rope_q")
-        k = apply_rope(self.k_norm(k), positions, inv_freq, factor, cfg.rotary_dim, "rope_k")
+        rp = positions if rope_positions is None else rope_positions
+        section = cfg.rope.get("mrope_section") or MROPE_SECTION
+        q = apply_rope(self.q_norm(q), rp, inv_freq, factor, cfg.rotary_dim, "rope_q", section)
+        k = apply_rope(self.k_norm(k), rp, inv_freq, factor, cfg.rotary_dim, "rope_k", section)
         if self.kv_hadamard:  # rotate Q and K after RoPE (QK^T unchanged); V stays unrotated
             q, k = _hadamard(q, dh), _hadamard(k, dh)
         kv_pool, o = op.tensor_ir_inplace_op(
@@ -361,7 +387,7 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(cfg, dtype, cfg.attn_layers.index(index), kernels, kv_hadamard)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype, cfg.gdn_layers.index(index), kernels)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = _feed_forward(cfg, dtype, index, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -379,7 +405,7 @@ class MTPLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: str, kernels, kv_hadamard: bool = False):
         self.self_attn = GatedAttention(cfg, dtype, 0, kernels, kv_hadamard, n_layers=1)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = _feed_forward(cfg, dtype, 0, kernels)  # MoE in MoE checkpoints (vLLM: layer index 0)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -400,8 +426,9 @@ class MTPHead(nn.Module):
 class Qwen3xForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm", kv_dtype: str | None = None,
                  kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                 tap_layers: tuple = ()):
+                 multimodal: bool = False, tap_layers: tuple = ()):
         """weight_quant: None (weights in dtype) or "nvfp4" (decoder projections in NVFP4).
+        multimodal: also export prefill_mm / decode_mrope (image embeddings, M-RoPE positions).
         kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
         kv_hadamard: rotate Q and K by a normalised Walsh-Hadamard after RoPE.
         mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl).
@@ -411,6 +438,7 @@ class Qwen3xForCausalLM(nn.Module):
         self.tap_layers = tuple(int(i) for i in tap_layers)
         self.kv_dtype = kv_dtype or dtype
         self.weight_quant = weight_quant
+        self.multimodal = bool(multimodal)
         kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
         self._gemv_factory = getattr(kernels, "gemv", None)
         self._gemm_factory = getattr(kernels, "gemm", None)
@@ -439,9 +467,10 @@ class Qwen3xForCausalLM(nn.Module):
         return decode_gemv_scope(self._gemv_factory)
 
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
-              kv_pool, conv_pool, ssm_pool, recurrent: bool, taps: list | None = None):
+              kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None, taps: list | None = None):
         """taps: a list that receives the output of every decoder layer in self.tap_layers, in order."""
         rope = (self.rope_inv_freq, self.rope_attn_factor)
+        rp = {} if rope_positions is None else {"rope_positions": rope_positions}
         tap_at = {i: self.tap_layers.index(i) for i in self.tap_layers} if taps is not None else {}
         if tap_at:
             taps.extend([None] * len(tap_at))
@@ -449,7 +478,7 @@ class Qwen3xForCausalLM(nn.Module):
             for li, layer in enumerate(self.model.layers):
                 h = layer.input_layernorm(x)
                 if layer.kind == "full_attention":
-                    x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x)
+                    x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x, **rp)
                 else:
                     x, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool,
                                                                recurrent, residual=x)
@@ -460,7 +489,7 @@ class Qwen3xForCausalLM(nn.Module):
         for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
-                h, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool)
+                h, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, **rp)
             else:
                 h, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent)
             x = x + h
@@ -482,14 +511,41 @@ class Qwen3xForCausalLM(nn.Module):
             return logits, kv_pool, conv_pool, ssm_pool
 
     def decode(self, tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
+        return self._decode_rows(tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool)
+
+    def _decode_rows(self, tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool,
+                     rope_positions=None):
         with self._decode_gemv():
             b = tokens.shape[0]
             rows = op.arange(0, b, dtype="int32")
             cu = op.arange(0, b + 1, dtype="int32")
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
-                x, positions, rows, cu, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, True)
+                x, positions, rows, cu, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, True,
+                rope_positions=rope_positions)
             return self._logits(x), kv_pool, conv_pool, ssm_pool
+
+    # ---- images (multimodal=True): embeddings in, M-RoPE positions -----------------------------
+    def prefill_mm(self, tokens, positions, rope_positions, token_seq, cu_seqlens, page_table, slot_ids,
+                   logit_rows, image_embeds, row_src, kv_pool, conv_pool, ssm_pool):
+        """prefill whose rows may be image embeddings and whose RoPE follows rope_positions [n, 3].
+        Row i's input is embed(tokens[i]) for row_src[i] == i, else image_embeds[row_src[i] - n]
+        (image_embeds [m, D] fp32; the runtime sends one unreferenced row when a chunk has none);
+        positions stay the cache positions."""
+        with self._prefill_gemm():
+            x = op.concat([self.model.embed_tokens(tokens), image_embeds.astype(self.dtype)], dim=0)
+            x = op.take(x, row_src, axis=0)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False,
+                rope_positions=rope_positions)
+            logits = self._logits(op.take(x, logit_rows, axis=0))
+            return logits, kv_pool, conv_pool, ssm_pool
+
+    def decode_mrope(self, tokens, positions, rope_positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
+        """decode with text RoPE positions apart from the cache positions (position + the sequence's
+        rope delta after images)."""
+        return self._decode_rows(tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool,
+                                 rope_positions)
 
     # ---- speculative decoding: post-norm hidden states, multi-token verification, MTP head --------
     def _head(self, hn):
@@ -534,7 +590,7 @@ class Qwen3xForCausalLM(nn.Module):
             taps: list = []
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
-                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps)
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps)
             logits = self._logits(op.take(x, logit_rows, axis=0))
             return logits, op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
 
@@ -544,7 +600,7 @@ class Qwen3xForCausalLM(nn.Module):
             taps: list = []
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
-                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps)
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps)
             return self._logits(x), op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
 
     def _mtp(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
@@ -622,6 +678,37 @@ class Qwen3xForCausalLM(nn.Module):
                 "$": mode,
             },
             **self._spec_export_spec(pools, mode),
+            **self._multimodal_export_spec(pools, mode),
+        }
+
+    def _multimodal_export_spec(self, pools: dict, mode: dict) -> dict:
+        if not self.multimodal:
+            return {}
+        i32 = "int32"
+        return {
+            "prefill_mm": {
+                "tokens": nn.spec.Tensor(["n"], i32),
+                "positions": nn.spec.Tensor(["n"], i32),
+                "rope_positions": nn.spec.Tensor(["n", 3], i32),
+                "token_seq": nn.spec.Tensor(["n"], i32),
+                "cu_seqlens": nn.spec.Tensor(["bp1"], i32),
+                "page_table": nn.spec.Tensor(["b", "p"], i32),
+                "slot_ids": nn.spec.Tensor(["b"], i32),
+                "logit_rows": nn.spec.Tensor(["r"], i32),
+                "image_embeds": nn.spec.Tensor(["m", self.cfg.hidden_size], "float32"),
+                "row_src": nn.spec.Tensor(["n"], i32),
+                **pools,
+                "$": mode,
+            },
+            "decode_mrope": {
+                "tokens": nn.spec.Tensor(["b"], i32),
+                "positions": nn.spec.Tensor(["b"], i32),
+                "rope_positions": nn.spec.Tensor(["b"], i32),
+                "page_table": nn.spec.Tensor(["b", "p"], i32),
+                "slot_ids": nn.spec.Tensor(["b"], i32),
+                **pools,
+                "$": mode,
+            },
         }
 
     def mtp_pool_spec(self):

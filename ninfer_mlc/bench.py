@@ -13,10 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .runtime.harness import Harness
 
-
-def _decode_bytes(runner: Harness, batch: int, context: int) -> int:
+def _decode_bytes(runner, batch: int, context: int) -> int:
     kv_per_token = runner.page_bytes / runner.page_size
     state = runner.conv_slot_bytes + runner.ssm_slot_bytes
     return int(runner.weights_bytes + batch * (context * kv_per_token + 2 * state))
@@ -24,6 +22,8 @@ def _decode_bytes(runner: Harness, batch: int, context: int) -> int:
 
 def run_bench(art_dir: str | Path, batches=(1, 2, 4, 8), context: int = 512, prefill_tokens: int = 1024,
               prefill_chunk: int = 512, steps: int = 16, device: str = "auto") -> dict:
+    from .runtime.harness import Harness
+
     max_b = max(batches)
     cap = max_b * (context + steps + 64) + prefill_tokens + 128
     runner = Harness(art_dir, device=device, kv_capacity_tokens=cap, num_slots=max_b + 1, max_batch=max_b)
@@ -67,23 +67,36 @@ def run_bench(art_dir: str | Path, batches=(1, 2, 4, 8), context: int = 512, pre
 
 
 def add_bench_args(p) -> None:
-    p.add_argument("model", nargs="?", default=None, help="compiled model dir (default: embedded tiny model)")
-    p.add_argument("--batch", default="1,2,4,8", help="comma-separated decode batch sizes")
-    p.add_argument("--context", type=int, default=512)
-    p.add_argument("--prefill-tokens", type=int, default=1024)
-    p.add_argument("--prefill-chunk", type=int, default=512)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("-o", "--output", default=None, help="write JSON here (default: stdout)")
+    from .cli_support import add_model_arg, add_model_compile_flags, int_at_least
+
+    add_model_arg(p, default_text="the embedded tiny model")
+    p.add_argument("--batch", default="1,2,4,8", help="comma-separated decode batch sizes (default: %(default)s)")
+    p.add_argument("--context", type=int_at_least(1), default=512,
+                   help="context tokens each decoding sequence holds (default: %(default)s)")
+    p.add_argument("--prefill-tokens", type=int_at_least(1), default=1024,
+                   help="length of the prompt whose prefill is timed (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=512,
+                   help="prompt tokens per prefill call (default: %(default)s)")
+    p.add_argument("--steps", type=int_at_least(1), default=16,
+                   help="timed decode steps per batch size (default: %(default)s)")
+    p.add_argument("-o", "--output", default=None, help="also write the JSON to this file (it always goes to stdout)")
+    add_model_compile_flags(p)
 
 
-def main_bench(args, default_model) -> int:
+def batch_sizes(text: str) -> list[int]:
+    from .config import CLIError
+
     try:
-        batches = [int(x) for x in args.batch.split(",") if x]
+        batches = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise SystemExit(f"ninfer: error: --batch {args.batch!r} must be comma-separated integers") from None
+        raise CLIError(f"--batch {text!r} must be comma-separated integers") from None
     if not batches or min(batches) < 1:
-        raise SystemExit("ninfer: error: --batch needs positive sizes")
-    res = run_bench(args.model or default_model, batches, args.context, args.prefill_tokens, args.prefill_chunk, args.steps)
+        raise CLIError(f"--batch {text!r} needs positive sizes")
+    return batches
+
+
+def main_bench(args, art_dir: str | Path) -> int:
+    res = run_bench(art_dir, batch_sizes(args.batch), args.context, args.prefill_tokens, args.prefill_chunk, args.steps)
     text = json.dumps(res, indent=1)
     if args.output:
         Path(args.output).write_text(text)

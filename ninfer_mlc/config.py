@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 # field name -> flag spelling for the few that do not follow the rule
 FLAG_NAMES = {"enable_thinking": "--no-thinking", "prefix_reuse": "--no-prefix-reuse"}
-ON_OFF = {"cuda_graphs"}  # booleans shown as `--flag on|off`
+ON_OFF = {"cuda_graphs", "messages_thinking_default"}  # booleans shown as `--flag on|off`
 
 
 class CLIError(SystemExit):
@@ -46,33 +46,46 @@ def _base_type(tp: Any) -> Any:
 
 
 def _help(f: dataclasses.Field, shown_default: Any) -> str:
+    """The field's help with its default: the value, or the field's `default_text` when that is None."""
     text = f.metadata.get("help", "")
+    if shown_default is None:
+        shown_default = f.metadata.get("default_text")
     if shown_default is None:
         return text
     return f"{text} (default: {shown_default})" if text else f"(default: {shown_default})"
 
 
-def add_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple = ()) -> None:
-    """Add one flag per field of dataclass `cls` (fields in `skip` left out)."""
+def _metavar(f: dataclasses.Field) -> str:
+    return f.metadata.get("metavar") or f.name.split("_")[-1].upper()
+
+
+def add_flags(parser: argparse.ArgumentParser | Any, cls: type, skip: tuple = (), only: Optional[tuple] = None,
+              defaults: Optional[dict] = None) -> None:
+    """Add one flag per field of dataclass `cls` (fields in `skip` left out; with `only`, just those).
+
+    `defaults` replaces field defaults for this parser (e.g. `auto` where a command picks for the user).
+    Field metadata: help, choices, metavar, default_text (shown when the default is None), off_help
+    (the help of a `--no-...` switch).
+    """
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
+        default = (defaults or {}).get(f.name, f.default)
         tp = _base_type(f.type)
         flag = flag_for(f.name)
         choices = f.metadata.get("choices")
         if tp is bool:
             if f.name in ON_OFF:
-                parser.add_argument(flag, dest=f.name, choices=("on", "off"), default="on" if f.default else "off",
-                                    help=_help(f, "on" if f.default else "off"))
-            elif f.default:
+                parser.add_argument(flag, dest=f.name, choices=("on", "off"), default="on" if default else "off",
+                                    help=_help(f, "on" if default else "off"))
+            elif default:
                 parser.add_argument(flag, dest=f.name, action="store_false", default=True,
-                                    help="turn off: " + f.metadata.get("help", f.name))
+                                    help=f.metadata.get("off_help") or "turn off: " + f.metadata.get("help", f.name))
             else:
                 parser.add_argument(flag, dest=f.name, action="store_true", default=False, help=f.metadata.get("help"))
             continue
-        parser.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str, default=f.default,
-                            choices=choices, metavar=None if choices else f.name.split("_")[-1].upper(),
-                            help=_help(f, f.default))
+        parser.add_argument(flag, dest=f.name, type=tp if tp in (int, float) else str, default=default,
+                            choices=choices, metavar=None if choices else _metavar(f), help=_help(f, default))
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
@@ -89,7 +102,8 @@ def from_args(cls: type[T], args: argparse.Namespace, **extra: Any) -> T:
     return cls(**kw)
 
 
-def group(parser: argparse.ArgumentParser, title: str, cls: type, skip: tuple = (), description: Optional[str] = None):
+def group(parser: argparse.ArgumentParser, title: str, cls: type, skip: tuple = (), description: Optional[str] = None,
+          only: Optional[tuple] = None, defaults: Optional[dict] = None):
     g = parser.add_argument_group(title, description)
-    add_flags(g, cls, skip)
+    add_flags(g, cls, skip, only, defaults)
     return g

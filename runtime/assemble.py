@@ -18,6 +18,7 @@ from .kv.prefix_cache import PrefixCache
 from .scheduler.scheduler import ThinkControl
 from .stats import ModelInfo
 from .tokenizer import load_tokenizer
+from .vision.encoder import open_vision
 
 TURN_START = "<|im_start|>"
 # what Qwen's own serving inserts when a thinking budget runs out
@@ -53,6 +54,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
         from .spec.dflash_runner import attach_paged_pool
 
         attach_paged_pool(runner, cfg.draft_model)
+    runner.vision = open_vision(runner, cfg.vision)
     cache = host = None
     if cfg.prefix_reuse:
         cache = PrefixCache(cfg.max_cache_entries)

@@ -27,37 +27,50 @@ class EngineConfig:
     # ---- loading
     device: str = _f("auto", "where the library runs: auto (the artifact's target), cpu or cuda",
                      choices=("auto", "cpu", "cuda"))
-    kv_capacity: Optional[str] = _f(None, "device KV pool in tokens, or 'auto' (all free device memory but 1 GiB); "
-                                          "default: max-context x max-concurrency, at least max-context")
+    kv_capacity: Optional[str] = _f(None, "device KV pool in tokens, or 'auto' (all free device memory but 1 GiB)",
+                                    metavar="TOKENS|auto",
+                                    default_text="auto on CUDA, max-context x max-concurrency on the CPU")
     cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
+    device_sampling: str = _f("auto", "sample decode rows inside the library (only token ids cross to the host): "
+                                      "auto = on CUDA when the library carries the sampler, on / off",
+                              choices=("auto", "on", "off"))
+    vision: str = _f("auto", "where the vision tower of an image-capable model runs: auto (the model's device), "
+                             "cpu (host cores, weights in host RAM, device memory left to KV) or off (images refused)",
+                     choices=("auto", "cpu", "off"))
     # ---- scheduling
-    max_context: Optional[int] = _f(None, "per-sequence token limit (default: the artifact's)")
-    max_concurrency: int = _f(4, f"active sequences (continuous batching), 1..{MAX_CONCURRENCY}")
-    max_pending_requests: int = _f(16, "waiting requests beyond the active set; a full queue rejects new ones")
+    max_context: Optional[int] = _f(None, "per-sequence token limit (at most what the model was compiled for)",
+                                    metavar="TOKENS", default_text="the compiled model's")
+    max_concurrency: int = _f(4, f"active sequences (continuous batching), 1..{MAX_CONCURRENCY}", metavar="N")
+    max_pending_requests: int = _f(16, "waiting requests beyond the active set; a full queue rejects new ones",
+                                   metavar="N")
     pending_timeout_ms: int = _f(30000, "how long a request may wait in the queue before it is rejected")
-    prefill_chunk: int = _f(512, "prompt tokens per prefill step (shared by the sequences prefilling)")
+    prefill_chunk: int = _f(512, "prompt tokens per prefill step (shared by the sequences prefilling)",
+                            metavar="TOKENS")
     default_max_tokens: int = _f(8192, "generated-token limit when a request gives none")
     # ---- tiered KV / prefix reuse
-    prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier")
+    prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier",
+                            off_help="no prefix caching, turn checkpoints or host tier")
     device_state_slots: Optional[int] = _f(None, "device state slots for cached checkpoints beyond the active "
-                                                 "lanes (default: max-concurrency)")
+                                                 "lanes (default: max-concurrency)", metavar="N")
     host_kv_mib: float = _f(1024.0, "ceiling of the host tier (pinned KV pages + state slots), MiB; 0 = no host tier")
-    host_state_slots: int = _f(8, "host state slots kept as a floor")
+    host_state_slots: int = _f(8, "host state slots kept as a floor", metavar="N")
     host_ram_reserve_mib: float = _f(2048.0, "RAM that host-tier growth must leave free, MiB")
-    max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)")
+    max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)", metavar="N")
     # ---- speculative decoding
     spec: str = _f("none", "speculative decoding: mtp (the model's MTP head), draft (a second compiled model), "
                            "dflash / dflash2 (a compiled DFlash / DFlash2 block drafter)", choices=SPEC_METHODS)
     draft_tokens: int = _f(3, f"draft tokens proposed per round, 1..{MAX_DRAFT_TOKENS} (dflash / dflash2: "
-                              "1..block_size - 1 of the drafter)")
+                              "1..block_size - 1 of the drafter)", metavar="N")
     draft_model: Optional[str] = _f(None, "spec draft: compiled drafter directory (same tokenizer); spec dflash / "
                                           "dflash2: the compiled DFlash drafter (the target needs its tap layers: "
-                                          "ninfer compile --tap-layers DRAFTER_DIR)")
+                                          "ninfer compile --tap-layers DRAFTER_DIR)", metavar="DIR")
     lm_head_draft: Optional[str] = _f(None, "spec mtp: shortlisted proposal head, N (the N lowest token ids) or a "
-                                            "file of token ids; verification always uses the full head")
+                                            "file of token ids; verification always uses the full head",
+                                      metavar="N|FILE")
     forced_acceptance: Optional[float] = _f(None, "BENCHMARK ONLY: force this many tokens per round (kept drafts + "
                                                   "1, e.g. 3.18) whatever the target says; the output is not the "
-                                                  "model's (ninfer serve needs --allow-forced-acceptance)")
+                                                  "model's (ninfer serve needs --allow-forced-acceptance)",
+                                            metavar="T", default_text="off")
 
     # -------------------------------------------------------------------------------------------
     def validate(self) -> "EngineConfig":
@@ -71,6 +84,9 @@ class EngineConfig:
             return v
 
         need(self.device in ("auto", "cpu", "cuda"), "device", f"must be auto, cpu or cuda, got {self.device!r}")
+        need(self.vision in ("auto", "cpu", "off"), "vision", f"must be auto, cpu or off, got {self.vision!r}")
+        need(self.device_sampling in ("auto", "on", "off"), "device_sampling",
+             f"must be auto, on or off, got {self.device_sampling!r}")
         if self.kv_capacity is not None and str(self.kv_capacity) != "auto":
             try:
                 cap = int(str(self.kv_capacity))

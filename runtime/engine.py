@@ -22,9 +22,10 @@ import numpy as np
 
 from ..contract.generation import GenerationDefaults
 from .config import EngineConfig
-from .errors import BadConstraint, ContextTooLong, EngineStopped, InvalidRequest, QueueFull
+from .errors import BadConstraint, ContextTooLong, EngineStopped, ImagesUnsupported, InvalidRequest, QueueFull
+from .device_sampler import DeviceSampler, supports_device_sampler
 from .executor.model_runner import ModelRunner
-from .grammar import ConstraintCompiler, ConstraintError, mask_logits
+from .grammar import ConstraintCompiler, ConstraintError, bitmask_words, fill_bitmasks, mask_logits
 from .kv.manager import KVManager
 from .sampling import Sampler
 from .scheduler.request import Delta, Finished, GenRequest, Request
@@ -45,6 +46,7 @@ class RequestHandle:
         self._aq: Optional[asyncio.Queue] = asyncio.Queue() if loop else None
         self._sq: "queue.SimpleQueue" = queue.SimpleQueue()
         self.admitted = threading.Event()
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache (set before admission)
         self.finished: Optional[Finished] = None
 
     # ---- engine thread -------------------------------------------------------------------
@@ -125,6 +127,9 @@ class Engine:
             self.spec = SpeculativeDecoder(runner, kv, make_proposer(cfg, runner, kv, sorted(self.eos_ids)),
                                            cfg.draft_tokens, self.sampler, self.spec_counters,
                                            forced_acceptance=cfg.forced_acceptance)
+        self.device_sampler = self._device_sampler(cfg, runner)
+        self._lanes: dict[int, int] = {}  # request id -> device sampler lane (penalty state)
+        self._sampled: dict[int, int] = {}  # request id -> the token the device sampler drew this step
         self.scheduler = Scheduler(kv, self.counters, max_concurrency=cfg.max_concurrency,
                                    prefill_chunk=cfg.prefill_chunk, max_context=self.max_context,
                                    pending_timeout_ms=cfg.pending_timeout_ms, turn_start=turn_start, think=think,
@@ -145,6 +150,14 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._running
+
+    def _device_sampler(self, cfg: EngineConfig, runner: ModelRunner) -> Optional[DeviceSampler]:
+        """Decode rows sampled inside the library (CUDA by default): only token ids cross to the host.
+        Speculative rounds keep the host sampler (rejection sampling needs the probabilities)."""
+        want = cfg.device_sampling == "on" or (cfg.device_sampling == "auto" and runner.device_kind == "cuda")
+        if not want or self.spec is not None or not supports_device_sampler(runner.manifest, runner.vm):
+            return None
+        return DeviceSampler(runner.tvm, runner.vm, runner.dev, runner.vocab_size, cfg.max_concurrency)
 
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -179,10 +192,12 @@ class Engine:
         if n >= self.max_context:
             with self._lock:
                 self.counters.requests_rejected_context += 1
-            raise ContextTooLong(n, self.max_context)
+            raise ContextTooLong(n, self.max_context - 1)
         room = self.max_context - n
         max_tokens = max(1, min(req.params.max_tokens or self.cfg.default_max_tokens, room))
         stop_ids = set(req.params.stop_token_ids) | (set() if req.params.ignore_eos else self.eos_ids)
+        if req.media is not None and self.spec is not None:
+            raise ImagesUnsupported("images are not supported with speculative decoding (--spec) yet")
         rid = next(self._ids)
         handle = RequestHandle(self, rid, loop)
         r = Request(rid, req, handle, max_tokens, stop_ids, self.tok)
@@ -264,6 +279,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan:
             self.scheduler.update(plan, self._execute(plan))
+            if self._sampled:
+                self._sync_lanes()
 
     def _execute(self, plan: StepPlan) -> dict[int, RowResult]:
         """Run the plan on the executor and sample; returns what each row produced."""
@@ -282,9 +299,52 @@ class Engine:
                 results.update(self.spec.round(plan.decode))
             else:
                 rows = [w.req for w in plan.decode]
-                logits = self.runner.decode([r.seq for r in rows], [w.feed[-1] for w in plan.decode])
-                results.update(self._sample(rows, logits, fed=1))
+                on_device = self.device_sampler is not None
+                logits = self.runner.decode([r.seq for r in rows], [w.feed[-1] for w in plan.decode], on_device)
+                results.update(self._sample_on_device(rows, logits) if on_device else self._sample(rows, logits, fed=1))
         return results
+
+    def _sample_on_device(self, reqs: list[Request], logits) -> dict[int, RowResult]:
+        """The library's sampler over the decode logits where they are; grammar masks and the tokenizer's
+        vocabulary limit travel as one bitmask."""
+        ds = self.device_sampler
+        live = self.scheduler.running
+        for rid in [rid for rid in self._lanes if rid not in live]:  # finished or preempted: lane freed
+            ds.release(self._lanes.pop(rid))
+        free = sorted(set(range(ds.max_lanes)) - set(self._lanes.values()))
+        for r in reqs:
+            if r.rid not in self._lanes:
+                self._lanes[r.rid] = lane = free.pop(0)
+                ds.bind(lane, r.row)
+        bitmask = None
+        limit = self.runner.sample_vocab
+        if limit < self.runner.vocab_size or any(r.grammar is not None for r in reqs):
+            bitmask = np.full((len(reqs), bitmask_words(self.runner.vocab_size)), -1, np.int32)
+            grammars = [r.grammar for r in reqs]
+            if any(g is not None for g in grammars):
+                sub = np.full((len(reqs), bitmask_words(limit)), -1, np.int32)
+                fill_bitmasks(grammars, sub)
+                bitmask[:, : sub.shape[1]] = sub
+            w, b = divmod(limit, 32)  # ids past the tokenizer's vocabulary: never drawn
+            if b:
+                bitmask[:, w] &= np.int32((1 << b) - 1) if b < 31 else np.int32(0x7FFFFFFF)
+            bitmask[:, w + (1 if b else 0):] = 0
+        want_lp = any(r.params.logprobs or r.params.top_logprobs > 0 for r in reqs)
+        res = ds.sample(logits, [r.row for r in reqs], [self._lanes[r.rid] for r in reqs], bitmask,
+                        return_logprobs=want_lp)
+        toks, lps = res if want_lp else (res, [None] * len(reqs))
+        self._sampled = {r.rid: int(t) for r, t in zip(reqs, toks)}
+        return {r.rid: RowResult([int(t)], [lp], fed=1) for r, t, lp in zip(reqs, toks, lps)}
+
+    def _sync_lanes(self) -> None:
+        """A committed token the thinking budget replaced: the lane's counts follow what was committed."""
+        ds = self.device_sampler
+        for rid, t in self._sampled.items():
+            r = self.scheduler.running.get(rid)
+            if r is not None and r.generated and r.generated[-1] != t and rid in self._lanes:
+                ds.remove_tokens(self._lanes[rid], [t])
+                ds.add_tokens(self._lanes[rid], [r.generated[-1]])
+        self._sampled = {}
 
     def _sample(self, reqs: list[Request], logits: np.ndarray, fed: int = 0) -> dict[int, RowResult]:
         logits = mask_logits([r.grammar for r in reqs], logits)  # -inf where a grammar forbids the next token
@@ -310,4 +370,5 @@ class Engine:
             counters=replace(self.counters), spec=replace(self.spec_counters), model=self.model_info,
             cache=cache.summary() if cache is not None else {}, planner=dict(kv.stats), occupancy=kv.occupancy(),
             transfers=dict(host.stats) if host is not None else {},
-            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g)
+            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g,
+            vision=self.runner.vision.snapshot() if self.runner.vision is not None else {})

@@ -15,12 +15,17 @@ class BadConstraint(InvalidRequest):
     """A constrained-decoding spec (GenRequest.constraint) that cannot be compiled."""
 
 
-class ContextTooLong(EngineError):
-    """The prompt (plus at least one generated token) does not fit the context or the KV pool."""
+class ImagesUnsupported(InvalidRequest):
+    """Images in a request this engine cannot take them with (speculative decoding has no M-RoPE yet)."""
 
-    def __init__(self, prompt_tokens: int, limit: int, what: str = "context"):
-        self.prompt_tokens, self.limit, self.what = int(prompt_tokens), int(limit), what
-        super().__init__(f"prompt has {prompt_tokens} tokens; the maximum {what} is {limit} tokens")
+
+class ContextTooLong(EngineError):
+    """The prompt (plus at least one generated token) does not fit the context or the KV pool.
+    max_prompt_tokens: the most prompt tokens that would have been accepted."""
+
+    def __init__(self, prompt_tokens: int, max_prompt_tokens: int, what: str = "context"):
+        self.prompt_tokens, self.max_prompt_tokens, self.what = int(prompt_tokens), int(max_prompt_tokens), what
+        super().__init__(f"prompt has {prompt_tokens} tokens; at most {max_prompt_tokens} fit the {what}")
 
 
 class QueueFull(EngineError):

@@ -24,6 +24,7 @@ class Harness:
         cap = kv_capacity_tokens or max(r.manifest.max_context, r.page_size)
         num_pages = -(-cap // r.page_size)
         r.allocate(num_pages, num_slots, max_batch, cuda_graphs)
+        r.zero_kv()  # timed decode over reserved, never-written context must read finite values
         self.kv = KVManager(r, num_pages, num_slots)
 
     def attach(self, cache=None, host=None) -> KVManager:

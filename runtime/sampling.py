@@ -371,6 +371,11 @@ class RowState:
 
     # -- history -------------------------------------------------------------------------
     @property
+    def prompt_ids(self) -> np.ndarray:
+        """Unique prompt token ids (int64, sorted): what repetition_penalty sees besides generated tokens."""
+        return self._prompt_ids
+
+    @property
     def num_generated(self) -> int:
         return len(self.output_token_ids)
 

@@ -102,6 +102,7 @@ class EngineStats:
     transfers: dict = field(default_factory=dict)  # host tier copies: pages, bytes, seconds
     arena: dict = field(default_factory=dict)  # pinned host arena: capacity, free, fragmentation
     cuda_graphs: dict = field(default_factory=dict)
+    vision: dict = field(default_factory=dict)  # the vision tower: device, weights, encode time, images
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
-# Install the project into .venv and serve the embedded tiny model on http://127.0.0.1:8080.
+# Serve the embedded tiny model (or any MODEL: ./scripts/serve.sh Qwen/Qwen3.6-27B) on http://127.0.0.1:8080.
+# Installs the project into .venv on the first run only (scripts/ensure_venv.sh), then starts at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e .
-./scripts/install-xgrammar.sh .venv
+./scripts/ensure_venv.sh
 exec .venv/bin/ninfer serve "$@"

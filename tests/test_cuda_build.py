@@ -95,6 +95,8 @@ def test_tiny_model_builds_for_sm90_as_fatbin(tmp_path):
     assert FATBIN_MAGIC in data, "no fatbin in the library: CUDA code was not compiled"
     for marker in (b"__global__", b'extern "C" __global__', b"#include <cuda"):
         assert marker not in data, f"raw CUDA source left in the library ({marker!r})"
+    for kernel in (b"sampler_process_kernel", b"sampler_select_kernel", b"sampler_logprobs_kernel"):
+        assert kernel in data, f"the device sampler is missing from the library ({kernel!r})"
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")

@@ -188,15 +188,38 @@ def _spy_blocks(eng):
     return blocks
 
 
+def _replayed_verify(eng):
+    """The CUDA-graph contract on the CPU: a verify's tap rows live in ONE output buffer that the next
+    verify overwrites (a replay writes its recorded outputs), so they are only good until then."""
+    from ninfer_mlc.runtime.executor.device_rows import DeviceRows
+
+    runner, out = eng.runner, {}
+    verify = runner.verify
+
+    def replayed(batch, taps: bool = False):
+        logits, rows = verify(batch, taps=taps)
+        if not taps:
+            return logits, rows
+        src, n = rows[0].base, sum(len(r) for r in rows)
+        if "buf" not in out:
+            out["buf"] = runner.tvm.runtime.empty((256, src.shape[1]), src.dtype, runner.dev)
+        DeviceRows(src, 0, n).view().copyto(DeviceRows(out["buf"], 0, n).view())
+        return logits, [DeviceRows(out["buf"], r.start, len(r)) for r in rows]
+
+    runner.verify = replayed
+
+
 def test_engine_context_matches_reference(arts, hf_target):
-    """Forced acceptance (drafts kept whatever the target says, so rounds keep several rows), chunked
-    prefill, two requests: every block the engine drafts sees the context the reference builds from the
-    committed tokens, also past the ring (window 24 + block 8 < the contexts). The forced profile is
-    labelled in the stats and the timings."""
+    """Forced acceptance (drafts kept whatever the target says, so rounds keep several rows, and rounds
+    that only re-feed rolled-back tokens draft nothing), chunked prefill, two requests, verify outputs
+    overwritten by the next verify as CUDA-graph replays do: every block the engine drafts sees the context
+    the reference builds from the committed tokens, also past the ring (window 24 + block 8 < the contexts).
+    The forced profile is labelled in the stats and the timings."""
     model = arts["dflash2"][1]
     o = EngineConfig(max_concurrency=2, max_context=1024, host_kv_mib=0, prefill_chunk=16, spec="dflash2",
                      draft_tokens=5, draft_model=str(arts["dflash2"][0]), forced_acceptance=3.5)
     eng = open_engine(arts["target"], o)
+    _replayed_verify(eng)
     blocks = _spy_blocks(eng)
     prompts = [_ids(40, seed=5), _ids(57, seed=6)]
     try:

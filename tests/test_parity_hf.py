@@ -1,4 +1,8 @@
-"""Compiled llvm model vs HF transformers (CPU, fp32): prefill, decode, batching, chunking."""
+"""Compiled llvm model vs HF transformers (CPU, fp32): prefill, decode, batching, chunking.
+
+Dense Qwen3.5 and Qwen3-Next (tied embeddings), and the MoE hybrids: Qwen3.5-MoE read from a fused-expert
+VLM-style checkpoint (hf_tiny.save_fused_vlm) and Qwen3-Next MoE from save_pretrained's per-expert layout,
+both with a duplicated expert (routing ties); tests/test_parity_moe.py checks the MoE specifics."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hf_tiny import make_hf_model, save_hf  # noqa: E402
+from hf_tiny import make_hf_model, save_fused_vlm, save_hf  # noqa: E402
 
 from ninfer_mlc.compile.build import compile_model  # noqa: E402
 from ninfer_mlc.runtime.harness import Harness  # noqa: E402
@@ -20,11 +24,17 @@ def rel_err(got, ref) -> float:
     return float(np.abs(np.asarray(got) - np.asarray(ref)).max() / np.abs(ref).max())
 
 
-@pytest.fixture(scope="module", params=[("qwen3_5", False), ("qwen3_next", True)], ids=["qwen3_5", "qwen3_next-tied"])
+SEEDS = {"qwen3_5": 11, "qwen3_next": 23, "qwen3_5_moe": 31, "qwen3_next_moe": 37}
+
+
+@pytest.fixture(scope="module", params=[("qwen3_5", False), ("qwen3_next", True), ("qwen3_5_moe", False),
+                                        ("qwen3_next_moe", False)],
+                ids=["qwen3_5", "qwen3_next-tied", "qwen3_5_moe-fused-vlm", "qwen3_next_moe"])
 def case(request, tmp_path_factory):
     family, tie = request.param
-    model = make_hf_model(family, seed=11 if family == "qwen3_5" else 23, tie=tie)
-    hf_dir = save_hf(model, tmp_path_factory.mktemp(f"hf_{family}"))
+    model = make_hf_model(family, seed=SEEDS[family], tie=tie)
+    save = save_fused_vlm if family == "qwen3_5_moe" else save_hf
+    hf_dir = save(model, tmp_path_factory.mktemp(f"hf_{family}"))
     art = compile_model(hf_dir, target="llvm", quant="f32", out_dir=tmp_path_factory.mktemp(f"art_{family}"),
                         name=f"parity-{family}", log=lambda *_: None)
     gen = torch.Generator().manual_seed(5)

@@ -7,7 +7,7 @@ TOOLS = [{"name": "get_weather", "description": "Current weather",
           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 NO_THINK = {"type": "disabled"}
 T0 = {"temperature": 0}  # the current SDK no longer has sampling kwargs; the API still takes them
-THINK = {"type": "enabled", "budget_tokens": 1024}
+THINK = {"type": "adaptive"}  # the server default (thinking on); a budget needs max_tokens > 1024
 
 
 @pytest.fixture(scope="module")

@@ -262,7 +262,7 @@ def test_anthropic_stop_reasons(finished, reason, seq):
 
 def test_anthropic_request_conversion():
     body = {
-        "model": "claude-sonnet", "max_tokens": 100,
+        "model": "claude-sonnet", "max_tokens": 4096,
         "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
                    {"type": "text", "text": "You are helpful."}],
         "messages": [
@@ -300,12 +300,14 @@ def test_anthropic_request_conversion():
     ({"tool_choice": {"type": "any"}}, "tool_choice.type"),  # forcing a tool needs tools
     ({"tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "tool", "name": "g"}},
      "tool_choice.name"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
-    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].source.type"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "system", "content": [{"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
     ({"output_config": {"format": {"type": "json_schema", "schema": "x"}}}, "output_config.format.schema"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": "full"}}, "thinking.display"),
+    ({"output_config": {"effort": "extreme"}}, "output_config.effort"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2000, "display": 3}}, "thinking.display"),
 ])
 def test_anthropic_request_errors_name_the_field(patch, param):
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], **patch}
@@ -322,8 +324,11 @@ def test_anthropic_request_errors_name_the_field(patch, param):
      "tool_choice"),
     ({"tool_choice": {"type": "mystery"}}, "tool_choice"),
     ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]}, "tools[0].function.strict"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url"),
+    ({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[0].type"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
@@ -362,7 +367,7 @@ def test_error_shapes_by_route():
                                                                       "message": "bad"}}
     assert from_engine(QueueFull(3)).status == 429
     assert from_engine(QueueTimeout(31.0)).status == 503
-    ctl = from_engine(ContextTooLong(9000, 8192))
+    ctl = from_engine(ContextTooLong(9000, 8191))  # 8191 prompt tokens at most: an 8192-token context
     assert (ctl.status, ctl.code, ctl.param) == (400, "context_length_exceeded", "messages")
     assert "9000" in ctl.message and "8192" in ctl.message
     assert error_body("/v1/messages", from_engine(QueueTimeout(1.0)))["error"]["type"] == "overloaded_error"

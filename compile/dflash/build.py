@@ -83,7 +83,8 @@ def compile_drafter(model_dir: str | Path, target: str = "llvm", quant: str = "f
                     name: str | None = None, random_weights: int | None = None, log=print) -> Path:
     from tvm import __version__ as tvm_version
 
-    from ..build import _np_dtype, build_relax_library, library_key, write_weights
+    from ..build import _np_dtype, library_key, write_weights
+    from ..lib_build import build_cached
 
     model_dir = Path(model_dir)
     cfg = load_drafter_config(model_dir)
@@ -107,7 +108,7 @@ def compile_drafter(model_dir: str | Path, target: str = "llvm", quant: str = "f
     mod, pspec = model.export_tvm(spec=model.export_spec())
     specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
     lib_rel = f"{name}.so"
-    build_relax_library(mod, tspec, out / lib_rel, library_key([cfg.to_dict(), dtype, "dflash-drafter"], tspec))
+    build_cached(mod, tspec, out / lib_rel, library_key([cfg.to_dict(), dtype, "dflash-drafter"], tspec))
     log(f"built {tspec.name} {cfg.kind} drafter library in {time.time() - t0:.1f}s")
 
     t1 = time.time()

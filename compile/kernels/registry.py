@@ -8,7 +8,7 @@ from __future__ import annotations
 from functools import partial
 from types import SimpleNamespace
 
-from . import attention, gdn
+from . import attention, gdn, moe, sampling
 
 
 def _chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = gdn.CHUNK,
@@ -35,4 +35,8 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
         gdn_prep=None,  # relax split / cast / L2 norm around the prefill conv (CUDA: kernels/cuda/gdn_prep.py)
         gdn_gated_norm=None,
+        sampler=sampling.sampler_kernels,  # sampler(vocab) -> process / select / logprobs / append / counts_add
+        # mixture of experts (compile/moe.py): softmax top-k router, experts read per token
+        moe_topk=moe.moe_topk,
+        moe_experts=moe.moe_experts,
     )

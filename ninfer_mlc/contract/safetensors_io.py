@@ -79,9 +79,37 @@ def save(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict | None
             f.write(arr.tobytes())
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def indexed_files(model_dir: str | Path) -> list[str]:
+    """The shard names `model.safetensors.index.json` maps weights to ([] when there is no index)."""
+    path = Path(model_dir) / INDEX
+    if not path.is_file():
+        return []
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+        return sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SafetensorsError(f"{path}: not a safetensors index ({type(e).__name__}: {e})") from None
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """A checkpoint's weight files: the shards its index names (a repo may also hold other
+    *.safetensors, e.g. a consolidated copy), else every *.safetensors in the directory."""
+    model_dir = Path(model_dir)
+    names = indexed_files(model_dir)
+    if not names:
+        return sorted(model_dir.glob("*.safetensors"))
+    missing = [n for n in names if not (model_dir / n).is_file()]
+    if missing:
+        raise SafetensorsError(f"{model_dir}: shards named in {INDEX} are missing: {', '.join(missing[:4])}")
+    return [model_dir / n for n in names]
+
+
 def load_dir(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of every *.safetensors file in a directory (HF sharded checkpoints)."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    """Every tensor of a checkpoint directory (HF sharded checkpoints: the shards of the index)."""
+    files = weight_files(model_dir)
     if not files:
         raise SafetensorsError(f"no *.safetensors files in {model_dir}")
     out: dict[str, np.ndarray] = {}

@@ -3,10 +3,19 @@
 Any ``model`` name is accepted (clients such as Claude Code send their own model names); the
 response echoes it. Claude Code's per-request ``x-anthropic-billing-header`` system block is
 dropped so it does not change the prompt on every call.
+
+Every field value the real API documents is accepted; what has no meaning for a local model
+(``cache_control``, ``context_management``, tool ``strict`` / ``input_examples``, server tools)
+is ignored, never answered with a 400. Thinking: ``enabled`` thinks, ``disabled`` does not,
+``adaptive`` (the model decides; Claude Code's default) follows the server's template default
+(``--no-thinking``); a request without ``thinking`` does not think, as with the real API, unless
+the server runs with ``--messages-thinking-default on`` (then the server default decides too). ``role: "system"`` messages inside ``messages``
+are folded into the adjacent user turn (server/system_fold.py).
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from typing import Any, Optional
 
@@ -17,11 +26,24 @@ from ..tool_calls import anthropic_tool_id
 from . import generation as gen
 from .constraints import anthropic_constraint, anthropic_output_format
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, type_name
+from .fields import (
+    get_bool,
+    get_dict,
+    get_int,
+    get_list,
+    get_str,
+    new_id,
+    object_items,
+    read_json,
+    type_name,
+)
 from .generation import ChatInputs, ChatStream, Done, Out
+from .image_parts import VISION_MARKER, anthropic_image_block
+from .schema_check import check_schema
 from .sse import SSEResponse, sse_event
 
 router = APIRouter()
+log = logging.getLogger("ninfer.server")
 
 _BILLING_PREFIX = "x-anthropic-billing-header"
 _MIN_THINKING_BUDGET = 1024
@@ -29,6 +51,12 @@ _MIN_THINKING_BUDGET = 1024
 
 def _state(request: Request):
     return request.app.state.ninfer
+
+
+def _default_thinking(state) -> Optional[bool]:
+    """enable_thinking for a request without ``thinking``: off (the real API), or the server's
+    template default with --messages-thinking-default on."""
+    return None if getattr(state.config, "messages_thinking_default", False) else False
 
 
 # ---- request parsing ----------------------------------------------------------------------
@@ -62,6 +90,8 @@ def _tool_result_text(content: Any, p: str) -> str:
         elif b["type"] in ("image", "document"):
             # tool output the client cannot shape (screenshots...): say so instead of failing the turn
             parts.append(f"[{b['type']} omitted: this model reads text only]")
+        elif b["type"] == "tool_reference":  # tool search result: the named deferred tool is now loaded
+            parts.append(f"Tool loaded: {b.get('tool_name')}")
         else:
             raise bad_request(f"{p}[{j}]: tool_result content type {b['type']!r} is not supported",
                               param=f"{p}[{j}].type")
@@ -73,18 +103,23 @@ def parse_system(raw: Any) -> Optional[str]:
         return None
     if isinstance(raw, str):
         return raw
+    return _system_text(_blocks(raw, "system"), "system")
+
+
+def _system_text(blocks: list[dict], p: str) -> str:
     parts = []
-    for j, b in enumerate(_blocks(raw, "system")):
+    for j, b in enumerate(blocks):
         if b["type"] != "text":
-            raise bad_request(f"system[{j}].type must be 'text'", param=f"system[{j}].type")
-        text = _block_text(b, f"system[{j}]")
+            raise bad_request(f"{p}[{j}].type must be 'text'", param=f"{p}[{j}].type")
+        text = _block_text(b, f"{p}[{j}]")
         if text.startswith(_BILLING_PREFIX):
             continue  # Claude Code attribution header: differs per request, would defeat prefix reuse
         parts.append(text)
     return "\n".join(parts)
 
 
-def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
+def parse_messages(raw: Any, system: Optional[str], images: Optional[list] = None) -> list[dict]:
+    """images: collects the ImageRef of every user image block, in prompt order (None: images refused)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", param="messages")
     out: list[dict] = []
@@ -95,17 +130,19 @@ def parse_messages(raw: Any, system: Optional[str]) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_request(f"{p} must be an object", param=p)
         role = m.get("role")
-        if role not in ("user", "assistant"):
-            raise bad_request(f"{p}.role must be 'user' or 'assistant', got {role!r}", param=f"{p}.role")
+        if role not in ("user", "assistant", "system"):
+            raise bad_request(f"{p}.role must be 'user', 'assistant' or 'system', got {role!r}", param=f"{p}.role")
         blocks = _blocks(m.get("content"), f"{p}.content")
-        if role == "user":
-            out.extend(_user_messages(blocks, f"{p}.content"))
+        if role == "system":  # folded into the adjacent user turn when the prompt is rendered
+            out.append({"role": "system", "content": _system_text(blocks, f"{p}.content")})
+        elif role == "user":
+            out.extend(_user_messages(blocks, f"{p}.content", images))
         else:
             out.append(_assistant_message(blocks, f"{p}.content"))
     return out
 
 
-def _user_messages(blocks: list[dict], p: str) -> list[dict]:
+def _user_messages(blocks: list[dict], p: str, images: Optional[list] = None) -> list[dict]:
     out: list[dict] = []
     text: list[str] = []
 
@@ -125,6 +162,9 @@ def _user_messages(blocks: list[dict], p: str) -> list[dict]:
             if isinstance(b.get("tool_use_id"), str):
                 msg["tool_call_id"] = b["tool_use_id"]
             out.append(msg)
+        elif t == "image" and images is not None:
+            images.append(anthropic_image_block(b, f"{p}[{j}]"))
+            text.append(VISION_MARKER)
         elif t in ("image", "document", "audio", "video"):
             raise bad_request(f"{p}[{j}]: content type {t!r} is not supported (text-only model)",
                               param=f"{p}[{j}].type")
@@ -168,28 +208,42 @@ def _assistant_message(blocks: list[dict], p: str) -> dict:
     return msg
 
 
-def parse_tools(raw: Any) -> Optional[list[dict]]:
-    """Anthropic tools -> OpenAI function tools (the form chat templates expect)."""
+def referenced_tools(raw_messages: Any) -> set[str]:
+    """Names in ``tool_reference`` blocks of tool results (tool search loading deferred tools)."""
+    names: set[str] = set()
+    for m in raw_messages if isinstance(raw_messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for b in content if isinstance(content, list) else ():
+            inner = b.get("content") if isinstance(b, dict) and b.get("type") == "tool_result" else None
+            for r in inner if isinstance(inner, list) else ():
+                if isinstance(r, dict) and r.get("type") == "tool_reference" and isinstance(r.get("tool_name"), str):
+                    names.add(r["tool_name"])
+    return names
+
+
+def parse_tools(raw: Any, loaded: frozenset = frozenset()) -> Optional[list[dict]]:
+    """Anthropic tools -> OpenAI function tools (the form chat templates expect).
+
+    Server tools (web search, code execution, ...) cannot run here: they are left out with a
+    warning, as the real API leaves out a tool it cannot offer. ``defer_loading`` tools stay out
+    of the prompt until a tool search result references them (``loaded``), as with the real API."""
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", param="tools")
     out = []
-    for j, t in enumerate(raw):
-        p = f"tools[{j}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
+    for p, t in object_items(raw, "tools"):
         if t.get("type") not in (None, "custom"):
-            raise bad_request(f"{p}: server tool type {t.get('type')!r} is not supported; only custom tools are",
-                              param=f"{p}.type")
+            log.warning("%s: server tool %r (type %r) is not available on this server; left out",
+                        p, t.get("name"), t.get("type"))
+            continue
+        if t.get("defer_loading") is True and t.get("name") not in loaded:
+            continue
         name = t.get("name")
         if not isinstance(name, str) or not name:
             raise bad_request(f"{p}.name must be a non-empty string", param=f"{p}.name")
         schema = t.get("input_schema")
         if schema is None:
-            schema = {"type": "object", "properties": {}}
-        if not isinstance(schema, dict):
-            raise bad_request(f"{p}.input_schema must be a JSON schema object", param=f"{p}.input_schema")
+            raise bad_request(f"{p}.input_schema: Field required", param=f"{p}.input_schema")
+        check_schema(schema, f"{p}.input_schema")
         fn: dict = {"name": name}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -215,21 +269,24 @@ def parse_tool_choice(raw: Any) -> bool:
     raise bad_request(f"unknown tool_choice type {t!r}", param="tool_choice.type")
 
 
-def parse_thinking(raw: Any) -> tuple[Optional[bool], bool, Optional[int]]:
-    """-> (enable_thinking or None for the server default, omit the thinking text, budget_tokens)."""
+def parse_thinking(raw: Any, default: Optional[bool] = False) -> tuple[Optional[bool], bool, Optional[int]]:
+    """-> (enable_thinking or None for the server default, omit the thinking text, budget_tokens).
+
+    ``default`` applies to a request without ``thinking`` (the real API: no thinking)."""
     if raw is None:
-        return None, False, None
+        return default, False, None
     if not isinstance(raw, dict):
         raise bad_request("thinking must be an object", param="thinking")
     t = raw.get("type")
     display = raw.get("display")
-    if display not in (None, "summarized", "omitted"):
-        raise bad_request(f"thinking.display must be 'summarized' or 'omitted', got {display!r}",
-                          param="thinking.display")
+    if display is not None and not isinstance(display, str):  # summarized | omitted | later values
+        raise bad_request(f"thinking.display must be a string, got {type_name(display)}", param="thinking.display")
     omit = display == "omitted"
     if t == "disabled":
         return False, False, None
-    if t in ("adaptive", "between_tools"):
+    if t == "adaptive":  # the model decides: here the server's template default (--no-thinking) does
+        return None, omit, None
+    if t == "between_tools":
         return True, omit, None
     if t == "enabled":
         budget = get_int(raw, "budget_tokens", param="thinking.budget_tokens")
@@ -245,7 +302,8 @@ def parse_thinking(raw: Any) -> tuple[Optional[bool], bool, Optional[int]]:
 
 
 def parse_output_config(raw: Any) -> Optional[str]:
-    """-> the effort level (passed to the template as ``reasoning_effort``)."""
+    """-> the effort level, passed to the template as ``reasoning_effort`` (``format`` is validated here and
+    constrained through server/constraints.py anthropic_constraint)."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
@@ -258,19 +316,22 @@ def parse_output_config(raw: Any) -> Optional[str]:
     return effort
 
 
-def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str, bool, bool]:
-    """-> (inputs, model, stream, omit the thinking text).
+def parse_request(body: dict, for_count: bool = False, default_thinking: Optional[bool] = False
+                  ) -> tuple[ChatInputs, str, bool, bool]:
+    """-> (inputs, model, stream, omit the thinking text). ``default_thinking``: enable_thinking of a
+    request without ``thinking`` (None: the server's template default).
 
     ``temperature`` / ``top_p`` / ``top_k`` are still read (older clients send them)."""
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("model must be a string", param="model")
     system = parse_system(body.get("system"))
-    messages = parse_messages(body.get("messages"), system)
-    tools = parse_tools(body.get("tools"))
+    images: list = []
+    messages = parse_messages(body.get("messages"), system, images)
+    tools = parse_tools(body.get("tools"), frozenset(referenced_tools(body.get("messages"))))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
     constraint, constraint_param = anthropic_constraint(body, tools, allow_calls)
-    thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"))
+    thinking, omit_thinking, thinking_budget = parse_thinking(body.get("thinking"), default_thinking)
     effort = parse_output_config(body.get("output_config"))
     layer: dict = {}
     names = {"stop": "stop_sequences"}
@@ -279,6 +340,9 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
         if mt is None:
             raise bad_request("max_tokens is required", param="max_tokens")
         layer["max_tokens"] = mt
+        if thinking_budget is not None and isinstance(mt, int) and thinking_budget >= mt:
+            raise bad_request(f"`max_tokens` must be greater than `thinking.budget_tokens` ({mt} <= "
+                              f"{thinking_budget})", param="thinking.budget_tokens")
         for k in ("temperature", "top_p", "top_k"):
             if body.get(k) is not None:
                 layer[k] = body[k]
@@ -292,7 +356,7 @@ def parse_request(body: dict, for_count: bool = False) -> tuple[ChatInputs, str,
                      parse_tools=allow_calls and tools is not None, enable_thinking=thinking,
                      sampling=layer, param_names=names, session_key=session, thinking_budget=thinking_budget,
                      template_kwargs={"reasoning_effort": effort} if effort else {},
-                     constraint=None if for_count else constraint, constraint_param=constraint_param)
+                     constraint=None if for_count else constraint, constraint_param=constraint_param, images=images)
     return inp, model or "", stream, omit_thinking
 
 
@@ -336,8 +400,10 @@ def message_body(mid: str, model: str, col: gen.Collected, omit_thinking: bool =
 class MessageStreamer:
     """``Out``/``Done`` events -> Anthropic SSE events (bytes), full content-block lifecycle."""
 
-    def __init__(self, mid: str, model: str, input_tokens: int, omit_thinking: bool = False):
-        self.mid, self.model, self.input_tokens = mid, model, input_tokens
+    def __init__(self, mid: str, model: str, input_tokens: int, omit_thinking: bool = False, cached_tokens: int = 0):
+        """input_tokens: the whole prompt; cached_tokens: the part the prefix cache served (known at
+        admission, so message_start and message_delta report the same split)."""
+        self.mid, self.model, self.input_tokens, self.cached = mid, model, input_tokens, cached_tokens
         self.omit_thinking = omit_thinking  # thinking.display "omitted": signature only
         self.index = -1
         self.open: Optional[str] = None  # type of the open block
@@ -346,8 +412,8 @@ class MessageStreamer:
     def start(self) -> list[bytes]:
         msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,
-                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
+               "usage": {"input_tokens": self.input_tokens - self.cached, "output_tokens": 0,
+                         "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached}}
         return [sse_event("message_start", {"type": "message_start", "message": msg}),
                 sse_event("ping", {"type": "ping"})]
 
@@ -408,13 +474,19 @@ class MessageStreamer:
 
 
 # ---- routes -------------------------------------------------------------------------------
+@router.api_route("/api/hello", methods=["GET", "HEAD"])
+async def hello():
+    """Claude Code's connectivity probe (``HEAD {ANTHROPIC_BASE_URL}/api/hello``)."""
+    return JSONResponse({"status": "ok"})
+
+
 @router.post("/v1/messages")
 async def messages(request: Request):
     state = _state(request)
     rid = new_id("req_")
     t0 = time.monotonic()
     body = await read_json(request, state.config.max_request_bytes)
-    inp, model, stream, omit_thinking = parse_request(body)
+    inp, model, stream, omit_thinking = parse_request(body, default_thinking=_default_thinking(state))
     model = model or state.config.model_id
     prep = await gen.prepare_chat(state, inp)
     handle = await gen.submit(state, request.receive, prep.prompt_ids, prep.params, rid, prep.session_key,
@@ -422,12 +494,13 @@ async def messages(request: Request):
     headers = {"request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)
-    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text)
+    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text,
+                      token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "anthropic.messages", rid, len(prep.prompt_ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     mid = new_id("msg_")
     if stream:
-        streamer = MessageStreamer(mid, model, len(prep.prompt_ids), omit_thinking)
+        streamer = MessageStreamer(mid, model, len(prep.prompt_ids), omit_thinking, cached_tokens=handle.cached_tokens)
         return SSEResponse(_messages_sse(handle, streamer, events), headers=headers,
                            keepalive_s=state.config.keepalive_s, keepalive=sse_event("ping", {"type": "ping"}))
     ok, col = await gen.run_collect(request.receive, handle, events)
@@ -461,6 +534,6 @@ async def _messages_sse(handle, streamer: MessageStreamer, events):
 async def count_tokens(request: Request):
     state = _state(request)
     body = await read_json(request, state.config.max_request_bytes)
-    inp = parse_request(body, for_count=True)[0]
+    inp = parse_request(body, for_count=True, default_thinking=_default_thinking(state))[0]
     n = await gen.count_prompt_tokens(state, inp)
     return JSONResponse({"input_tokens": n}, headers={"request-id": new_id("req_")})

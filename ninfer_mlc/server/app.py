@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
+import json
 import logging
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,14 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .monitor import MONITOR_PATHS, make_stats_app, register_monitoring_routes
 from ..config import CLIError, flag_for, from_args
 from ..runtime.config import EngineConfig
 from ..runtime.errors import ConfigError
 from .errors import APIError, error_response, send_error
-from .options import SamplingFlags, ServeOptions
+from .options import SamplingFlags, ServeOptions, VisionOptions
 from .state import ServerConfig, ServerState
+from .vision import vision_service
 
 log = logging.getLogger("ninfer.server")
 
@@ -42,7 +46,9 @@ _DRAIN_CAP = 256 << 20  # read (and drop) at most this much of an oversized body
 
 class GuardMiddleware:
     """Pure ASGI (no BaseHTTPMiddleware, so streaming and disconnects pass straight through):
-    API-key check, Content-Length limit, in-flight accounting."""
+    API-key check, Content-Length limit, in-flight accounting, every answer counted by status and
+    error type (rejected requests also go to the request log), and an unexpected exception answered
+    as a 500 JSON body here, so it never reaches the server and the kept-alive connection stays usable."""
 
     def __init__(self, app, state: ServerState):
         self.app = app
@@ -55,28 +61,71 @@ class GuardMiddleware:
         path, method = scope.get("path", ""), scope.get("method", "GET")
         cfg = self.state.config
         headers = Headers(scope=scope)
-        if cfg.api_key and method != "OPTIONS" and path not in OPEN_PATHS:
-            if not authorized(headers, cfg.api_key):
-                await send_error(send, path, APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
-                                                           "KEY' or 'x-api-key: KEY')", code="invalid_api_key"),
-                                 [(b"www-authenticate", b"Bearer")])
-                return
-        cl = headers.get("content-length")
-        if cl is not None and cl.isdigit() and int(cl) > cfg.max_request_bytes:
-            if int(cl) <= _DRAIN_CAP:
-                await drain(receive)
-            await send_error(send, path, APIError(
-                413, f"request body of {cl} bytes exceeds the limit of {cfg.max_request_bytes} bytes "
-                     f"(--max-request-mib)", code="request_too_large"))
-            return
+        seen = _Answer(send)
+        t0 = time.monotonic()
         counted = method == "POST" and path.startswith("/v1/")
         if counted:
             self.state.enter()
         try:
-            await self.app(scope, receive, send)
+            if cfg.api_key and method != "OPTIONS" and path not in OPEN_PATHS and not authorized(headers, cfg.api_key):
+                await send_error(seen, path, APIError(401, "invalid or missing API key (send 'Authorization: Bearer "
+                                                           "KEY' or 'x-api-key: KEY')", code="invalid_api_key"),
+                                 [(b"www-authenticate", b"Bearer")])
+                return
+            cl = headers.get("content-length")
+            if cl is not None and cl.isdigit() and int(cl) > cfg.max_request_bytes:
+                if int(cl) <= _DRAIN_CAP:
+                    await drain(receive)
+                await send_error(seen, path, APIError(
+                    413, f"request body of {cl} bytes exceeds the limit of {cfg.max_request_bytes} bytes "
+                         f"(--max-request-mib)", code="request_too_large"))
+                return
+            try:
+                await self.app(scope, receive, seen)
+            except Exception as exc:  # noqa: BLE001 - a bug must cost one request, not the connection
+                if seen.status is not None:
+                    raise  # a stream already started: the connection carries a broken answer, it must close
+                log.exception("unhandled error on %s", path)
+                await send_error(seen, path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
         finally:
             if counted:
                 self.state.leave()
+            if seen.status is not None:
+                self.state.http.record_response(seen.status, seen.error_type)
+                if seen.status >= 400 and path.startswith("/v1/"):
+                    self.state.log.log_rejected(
+                        request_id=headers.get("x-request-id", ""), model=cfg.model_id, method=method, path=path,
+                        status=seen.status, error_type=seen.error_type, error=seen.error,
+                        wall_ms=(time.monotonic() - t0) * 1000)
+
+
+class _Answer:
+    """An ASGI `send` that remembers the answer's status and, for a JSON error body, its type and message."""
+
+    def __init__(self, send):
+        self._send = send
+        self.status: Optional[int] = None
+        self.error_type: Optional[str] = None
+        self.error: Optional[str] = None
+        self._json = False
+
+    async def __call__(self, msg) -> None:
+        if msg["type"] == "http.response.start":
+            self.status = int(msg["status"])
+            ct = dict(msg.get("headers") or []).get(b"content-type", b"")
+            self._json = self.status >= 400 and ct.startswith(b"application/json")
+        elif msg["type"] == "http.response.body" and self._json and self.error_type is None:
+            self._read_error(msg.get("body", b""))
+        await self._send(msg)
+
+    def _read_error(self, body: bytes) -> None:
+        try:
+            err = json.loads(body).get("error") or {}
+        except (ValueError, AttributeError):
+            return
+        if isinstance(err, dict):
+            self.error_type = err.get("code") or err.get("type")
+            self.error = str(err.get("message", ""))[:500]
 
 
 async def drain(receive) -> None:
@@ -112,10 +161,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(request.url.path, exc)
+        return error_response(request.url.path, exc, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -129,11 +179,6 @@ def create_app(state: ServerState) -> FastAPI:
         errs = exc.errors()
         param = ".".join(str(x) for x in errs[0].get("loc", ())[1:]) if errs else None
         return error_response(request.url.path, APIError(400, f"invalid request: {errs}", param=param or None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     app.add_middleware(GuardMiddleware, state=state)
     if state.config.cors:  # outermost, so preflights never meet the API-key check
@@ -187,17 +232,23 @@ def check_serve_options(opts: ServeOptions, max_context: int) -> None:
             raise CLIError(f"--request-log-jsonl: cannot write {opts.request_log_jsonl}: {e}") from None
 
 
-def engine_config(args, manifest) -> EngineConfig:
-    """EngineConfig from the flags, checked against the artifact (errors name the flag)."""
+def checked_engine_flags(args) -> EngineConfig:
+    """EngineConfig from the flags, validated on its own (errors name the flag)."""
     cfg = from_args(EngineConfig, args)
-    native = int(manifest.max_context)
-    if cfg.max_context is not None and cfg.max_context > native:
-        raise CLIError(f"--max-context {cfg.max_context} exceeds the {native} tokens this artifact was compiled for "
-                       f"(recompile with `ninfer compile --max-context`)")
     try:
         cfg.validate()
     except ConfigError as e:
         raise CLIError(f"{flag_for(e.field)}: {e.message}") from None
+    return cfg
+
+
+def engine_config(args, manifest) -> EngineConfig:
+    """EngineConfig from the flags, checked against the artifact (errors name the flag)."""
+    cfg = checked_engine_flags(args)
+    native = int(manifest.max_context)
+    if cfg.max_context is not None and cfg.max_context > native:
+        raise CLIError(f"--max-context {cfg.max_context} exceeds the {native} tokens this artifact was compiled for "
+                       f"(recompile with `ninfer compile --max-context`)")
     max_context = cfg.max_context or native
     if cfg.kv_capacity not in (None, "auto") and int(cfg.kv_capacity) < max_context:
         raise CLIError(f"--kv-capacity {cfg.kv_capacity} is smaller than --max-context {max_context}")
@@ -225,6 +276,10 @@ def load_state(args, engine: Any = None) -> ServerState:
                        "output is not the model's); pass --allow-forced-acceptance to run it")
     check_serve_options(opts, cfg.max_context or manifest.max_context)
     overrides = sampling_overrides(from_args(SamplingFlags, args))
+    vision_opts = from_args(VisionOptions, args)
+    for f in dataclasses.fields(VisionOptions):
+        if not getattr(vision_opts, f.name) > 0:
+            raise CLIError(f"{flag_for(f.name)} must be > 0, got {getattr(vision_opts, f.name)}")
     try:
         template = ChatTemplate.from_model_dir(str(model_dir), opts.chat_template)
     except ChatTemplateError as e:
@@ -246,6 +301,7 @@ def load_state(args, engine: Any = None) -> ServerState:
         cors=opts.cors,
         max_request_bytes=int(opts.max_request_mib * (1 << 20)),
         enable_thinking=opts.enable_thinking,
+        messages_thinking_default=opts.messages_thinking_default,
         preserve_thinking=opts.preserve_thinking,
         tolerant_tool_calls=opts.tolerant_tool_calls,
         default_thinking_budget=opts.default_thinking_budget,
@@ -254,7 +310,9 @@ def load_state(args, engine: Any = None) -> ServerState:
         family=mcfg.get("family") or mcfg.get("model_type"),
         request_log_path=opts.request_log_jsonl,
     )
-    return ServerState(engine, template, config)
+    state = ServerState(engine, template, config)
+    state.vision = vision_service(vision_opts, engine)  # None for text-only models / --no-vision
+    return state
 
 
 _UVICORN_LEVELS = {"trace": "trace", "debug": "debug", "info": "info", "warning": "warning", "error": "error",
@@ -300,12 +358,13 @@ class _NoSignalServer:
         return Main(config)
 
 
-async def serve_all(main, extra: list) -> None:
-    tasks = [asyncio.create_task(s.serve()) for s in extra]
+async def serve_all(main: tuple, extra: list) -> None:
+    """main and extra: (uvicorn server, its bound sockets)."""
+    tasks = [asyncio.create_task(s.serve(sockets=socks)) for s, socks in extra]
     try:
-        await main.serve()
+        await main[0].serve(sockets=main[1])
     finally:
-        for s in extra:
+        for s, _ in extra:
             s.should_exit = True
         await asyncio.gather(*tasks, return_exceptions=True)
 
@@ -316,24 +375,38 @@ def run_server(args) -> int:
     level = _UVICORN_LEVELS.get(args.log_level, "info")
     py_level = {"trace": logging.DEBUG, "critical": logging.CRITICAL}.get(level) or getattr(logging, level.upper())
     logging.basicConfig(level=py_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = load_state(args)
-    if hasattr(state.engine, "constraints"):  # index the vocabulary for constrained decoding now
-        state.engine.constraints.warm_in_background()
+    # ports, then flags, then MODEL -> artifact, all before the model loads
+    from ..cli_support import resolve_model
+    from ..paths import default_model_dir
+    from .listen import bind_listeners, bound_port
+
+    listeners = bind_listeners(args.host, args.port, args.stats_port)
+    try:
+        sampling_overrides(from_args(SamplingFlags, args))
+        checked_engine_flags(args)
+        args.model = str(resolve_model(args, default_model_dir()))
+        state = load_state(args)
+    except BaseException:
+        listeners.close()
+        raise
+    state.engine.constraints.warm_in_background()  # index the vocabulary for constrained decoding now
     app = create_app(state)
     main = _NoSignalServer.make_main(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                                     timeout_graceful_shutdown=5))
     extra = []
-    if args.stats_port:
-        extra.append(_NoSignalServer.make(uvicorn.Config(create_stats_app(state), host=args.host,
-                                                         port=args.stats_port, log_level="warning")))
+    if listeners.stats is not None:
+        extra.append((_NoSignalServer.make(uvicorn.Config(create_stats_app(state), host=args.host,
+                                                          port=args.stats_port, log_level="warning")),
+                      [listeners.stats]))
     c = state.config
     random = " [RANDOM WEIGHTS: benchmark artifact, answers are noise]" if state.engine.model_info.random_weights else ""
-    print(f"ninfer: serving {c.model_id} on http://{args.host}:{args.port} (max context {c.max_context}, "
-          f"concurrency {state.engine.cfg.max_concurrency}){random}", flush=True)
+    print(f"ninfer: serving {c.model_id} on http://{args.host}:{bound_port(listeners.main)} (max context "
+          f"{c.max_context}, concurrency {state.engine.cfg.max_concurrency}){random}", flush=True)
     try:
-        asyncio.run(serve_all(main, extra))
+        asyncio.run(serve_all((main, [listeners.main]), extra))
     finally:
         state.engine.stop()
+        listeners.close()
     return 0
 
 

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 from starlette.responses import JSONResponse
 
-from ..runtime.errors import (BadConstraint, ContextTooLong, EngineError, EngineStopped, InvalidRequest, QueueFull,
-                              QueueTimeout)
+from ..runtime.errors import (BadConstraint, ContextTooLong, EngineError, EngineStopped, ImagesUnsupported,
+                              InvalidRequest, QueueFull, QueueTimeout)
 from ..runtime.sampling import SamplingError
 
 # status -> (OpenAI error type, Anthropic error type)
@@ -34,13 +34,43 @@ class APIError(Exception):
     """An error answered as JSON with ``status``; ``param`` names the offending request field."""
 
     def __init__(self, status: int, message: str, *, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None):
+                 type: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type
+        self.headers = headers  # e.g. Retry-After on 429 / 503
+
+    def message_for(self, path: str) -> str:
+        """The message as the API behind ``path`` words it (one wording for most errors)."""
+        return self.message
+
+
+class ContextLengthExceeded(APIError):
+    """A prompt over the context limit, worded as each real API words it, because clients key
+    their recovery on that text: Claude Code and opencode compact on it, OpenAI clients read
+    the ``context_length_exceeded`` code."""
+
+    def __init__(self, prompt_tokens: int, max_prompt_tokens: int, param: Optional[str] = None):
+        self.prompt_tokens = prompt_tokens
+        self.max_prompt_tokens = max_prompt_tokens
+        super().__init__(400, "", param=param, code="context_length_exceeded")
+        self.message = self._openai_chat()
+
+    def _openai_chat(self) -> str:
+        what = "prompt" if self.param == "prompt" else "messages"
+        return (f"This model's maximum context length is {self.max_prompt_tokens + 1} tokens. However, your "
+                f"{what} resulted in {self.prompt_tokens} tokens. Please reduce the length of the {what}.")
+
+    def message_for(self, path: str) -> str:
+        if is_anthropic_path(path):
+            return f"prompt is too long: {self.prompt_tokens} tokens > {self.max_prompt_tokens} maximum"
+        if path.startswith("/v1/responses"):
+            return (f"Your input exceeds the context window of this model ({self.prompt_tokens} tokens > "
+                    f"{self.max_prompt_tokens} maximum). Please adjust your input and try again.")
+        return self._openai_chat()
 
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -50,15 +80,17 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
 def from_engine(e: EngineError, param: Optional[str] = None) -> APIError:
     """Typed runtime errors -> HTTP status, code and the message a client sees."""
     if isinstance(e, ContextTooLong):
-        return APIError(400, f"{e}; shorten the prompt or raise --max-context", param=param or "messages",
-                        code="context_length_exceeded")
+        return ContextLengthExceeded(e.prompt_tokens, e.max_prompt_tokens, param or "messages")
     if isinstance(e, QueueFull):
         return APIError(429, f"the server is at capacity: {e} (--max-pending-requests); retry shortly",
-                        code="server_overloaded")
+                        code="server_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, QueueTimeout):
-        return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout")
+        return APIError(503, f"{e} (--pending-timeout-ms); retry shortly", code="request_queue_timeout",
+                        headers={"Retry-After": "1"})
     if isinstance(e, EngineStopped):
         return APIError(503, str(e), code="engine_stopped")
+    if isinstance(e, ImagesUnsupported):
+        return APIError(400, str(e), param=param or "messages", code="images_unsupported")
     if isinstance(e, BadConstraint):
         return APIError(400, str(e), param=param, code="invalid_constraint")
     if isinstance(e, InvalidRequest):
@@ -80,8 +112,9 @@ def error_body(path: str, err: APIError) -> dict:
     otype, atype = _TYPES.get(err.status, ("server_error" if err.status >= 500 else "invalid_request_error",
                                            "api_error" if err.status >= 500 else "invalid_request_error"))
     if is_anthropic_path(path):
-        return {"type": "error", "error": {"type": err.type or atype, "message": err.message}}
-    return {"error": {"message": err.message, "type": err.type or otype, "param": err.param, "code": err.code}}
+        return {"type": "error", "error": {"type": err.type or atype, "message": err.message_for(path)}}
+    return {"error": {"message": err.message_for(path), "type": err.type or otype, "param": err.param,
+                      "code": err.code}}
 
 
 def error_response(path: str, err: APIError, headers: Optional[dict] = None) -> JSONResponse:

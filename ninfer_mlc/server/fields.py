@@ -11,6 +11,39 @@ from starlette.requests import Request
 from .errors import APIError, bad_request
 
 _DRAIN_CAP = 256 << 20
+MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than any API request needs
+
+
+def check_json(body: Any) -> None:
+    """400 naming the field for what json.loads accepts but the rest of the server must not see: nesting
+    deeper than MAX_JSON_DEPTH (recursive code downstream) and strings with lone surrogates (they cannot
+    be encoded as UTF-8 for the tokenizer). Iterative, one pass over the parsed body."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(f"{path or 'body'} holds a lone UTF-16 surrogate (invalid Unicode text)",
+                                  param=path or None, code="invalid_json") from None
+            continue
+        if isinstance(v, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise bad_request(f"{path or 'body'} is nested more than {MAX_JSON_DEPTH} levels deep",
+                                  param=path or None, code="invalid_json")
+            items = v.items() if isinstance(v, dict) else enumerate(v)
+            for k, x in items:
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise bad_request(f"a key of {path or 'body'} holds a lone UTF-16 surrogate",
+                                          param=path or None, code="invalid_json") from None
+                    sub = f"{path}.{k}" if path else k
+                else:
+                    sub = f"{path}[{k}]"
+                stack.append((x, sub, depth + 1))
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -36,8 +69,12 @@ async def read_json(request: Request, limit: int) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep",
+                          code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
+    check_json(body)
     return body
 
 
@@ -96,3 +133,16 @@ def get_dict(body: dict, name: str, param: Optional[str] = None) -> Optional[dic
 
 def get_list(body: dict, name: str, param: Optional[str] = None) -> Optional[list]:
     return _typed(body, name, None, param, lambda v: isinstance(v, list), "an array")
+
+
+def object_items(raw: Any, param: str) -> list[tuple[str, dict]]:
+    """A JSON array of objects -> [(its element's param name, the object)]; 400 naming the bad part."""
+    if not isinstance(raw, list):
+        raise bad_request(f"{param} must be an array", param=param)
+    out = []
+    for j, t in enumerate(raw):
+        p = f"{param}[{j}]"
+        if not isinstance(t, dict):
+            raise bad_request(f"{p} must be an object", param=p)
+        out.append((p, t))
+    return out

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
-from starlette.concurrency import run_in_threadpool
 
 from ..chat_template import ChatTemplateError
 from ..reasoning import ReasoningStreamSplitter
@@ -22,8 +21,9 @@ from ..runtime.errors import EngineError
 from ..runtime.grammar import ConstraintError, GrammarUnavailable
 from ..runtime.sampling import SamplingError, SamplingParams, resolve_sampling_params
 from ..tool_calls import ToolCall, ToolCallStreamDecoder
-from .errors import APIError, bad_request, from_engine, from_sampling
+from .errors import APIError, ContextLengthExceeded, bad_request, from_engine, from_sampling
 from .sse import until_disconnect
+from .system_fold import fold_system_messages
 
 # names render() or the template call itself binds: never taken from chat_template_kwargs
 _RESERVED_TEMPLATE_VARS = {"self", "messages", "tools", "add_generation_prompt", "documents", "template_name",
@@ -45,8 +45,11 @@ class ChatInputs:
     param_names: dict = field(default_factory=dict)  # SamplingParams field -> request spelling
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # Anthropic thinking.budget_tokens (None -> server default)
-    constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
+    # constrained-decoding spec ({"type": "json_schema", "schema", "strict"} | {"type": "json_object"} |
+    # {"type": "tool_call", "mode": "required" | "named", "name", "tools"}); runtime/structural_tags.py
+    constraint: Optional[dict] = None
     constraint_param: str = ""  # the request field the constraint came from (named by a 400)
+    images: list = field(default_factory=list)  # ImageRef per image part, in prompt order (server/image_parts.py)
 
 
 @dataclass
@@ -60,11 +63,13 @@ class Prepared:
     session_key: Optional[str] = None
     thinking_budget: Optional[int] = None  # enforced by the engine while the reply is reasoning
     constraint: Optional[dict] = None  # compiled (and cached) by prepare_chat
+    media: Any = None  # runtime/media.py MediaInput when the prompt has images
 
     def request_fields(self) -> dict:
-        """Engine-side extras: KV identity of the template mode, the reasoning budget, the constraint."""
+        """Engine-side extras: KV identity of the template mode, the reasoning budget, the constraint, the
+        images."""
         return {"cache_mode": "think" if self.thinking else "nothink", "thinking_budget": self.thinking_budget,
-                "started_in_think": self.started_in_think, "constraint": self.constraint}
+                "started_in_think": self.started_in_think, "constraint": self.constraint, "media": self.media}
 
 
 def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
@@ -76,8 +81,8 @@ def render_prompt(state, inp: ChatInputs) -> tuple[str, bool]:
               if isinstance(k, str) and k.isidentifier() and k not in _RESERVED_TEMPLATE_VARS}
     kwargs["enable_thinking"] = thinking
     try:
-        text = state.template.render(inp.messages, tools=inp.tools or None, add_generation_prompt=True,
-                                     preserve_thinking=preserve, **kwargs)
+        text = state.template.render(fold_system_messages(inp.messages), tools=inp.tools or None,
+                                     add_generation_prompt=True, preserve_thinking=preserve, **kwargs)
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     return text, thinking
@@ -117,8 +122,18 @@ def compile_constraint(state, inp: ChatInputs, reasoning: bool) -> None:
         raise bad_request(f"{inp.constraint_param}: {e}", param=inp.constraint_param) from None
 
 
+def check_fits(state, text: str, param: str = "messages") -> None:
+    """Refuse a prompt that cannot fit the context before tokenizing it: every token stands for at most
+    max_token_bytes bytes, so the token count is at least bytes / that."""
+    limit = state.config.max_context - 1
+    floor = len(text.encode("utf-8", "surrogatepass")) // state.max_token_bytes
+    if floor > limit:
+        raise ContextLengthExceeded(floor, limit, param)
+
+
 def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
     text, thinking = render_prompt(state, inp)
+    check_fits(state, text)
     params = resolve_params(state, inp.sampling, inp.param_names, thinking)
     ids = encode(state, text)
     tools = inp.tools if (inp.tools and inp.parse_tools) else None
@@ -131,16 +146,33 @@ def _prepare_chat_sync(state, inp: ChatInputs) -> Prepared:
 
 
 async def prepare_chat(state, inp: ChatInputs) -> Prepared:
-    """Render + tokenize off the event loop (long prompts take a while)."""
-    return await run_in_threadpool(_prepare_chat_sync, state, inp)
+    """Render + tokenize off the event loop (long prompts take a while); images -> the media payload."""
+    prep = await state.prep.run(_prepare_chat_sync, state, inp)
+    if inp.images:
+        prep.prompt_ids, prep.media = await _vision(state).media_for(prep.prompt_ids, inp.images)
+    elif getattr(state, "vision", None) is not None and state.vision.pad_id in prep.prompt_ids:
+        raise bad_request("the prompt has an image placeholder but no image (image placeholder text in a message?)",
+                          param="messages")
+    return prep
+
+
+def _vision(state):
+    vision = getattr(state, "vision", None)
+    if vision is None:
+        raise bad_request("this model does not take images (no vision tower, or the server runs with --no-vision)",
+                          param="messages")
+    return vision
 
 
 async def count_prompt_tokens(state, inp: ChatInputs) -> int:
     def work():
         text, _ = render_prompt(state, inp)
-        return len(encode(state, text))
+        return encode(state, text)
 
-    return await run_in_threadpool(work)
+    ids = await state.prep.run(work)
+    if inp.images:
+        ids, _ = await _vision(state).media_for(ids, inp.images, encode=False)
+    return len(ids)
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -163,16 +195,19 @@ class Done:
     tool_parse: Optional[dict] = None  # for the request log
 
 
-def logprob_entries(delta: Delta, token_text: Callable[[int], str]) -> list[dict]:
-    """OpenAI chat ``logprobs.content`` entries for the tokens of one delta."""
+def logprob_entries(delta: Delta, token_text: Callable[[int], str],
+                    token_bytes: Optional[Callable[[int], bytes]] = None) -> list[dict]:
+    """OpenAI chat ``logprobs.content`` entries for the tokens of one delta. ``bytes`` are the token's own
+    bytes (a token holding part of a UTF-8 character has no text of its own: its bytes say what it is)."""
+    raw = token_bytes or (lambda t: token_text(t).encode("utf-8"))
     out = []
     for lp in delta.logprobs or []:
         if lp is None:
             continue
-        tok = token_text(int(lp.token_id))
-        top = [{"token": (t := token_text(int(i))), "logprob": float(v), "bytes": list(t.encode("utf-8"))}
+        tid = int(lp.token_id)
+        top = [{"token": token_text(int(i)), "logprob": float(v), "bytes": list(raw(int(i)))}
                for i, v in zip(lp.top_ids, lp.top_logprobs)]
-        out.append({"token": tok, "logprob": float(lp.logprob), "bytes": list(tok.encode("utf-8")),
+        out.append({"token": token_text(tid), "logprob": float(lp.logprob), "bytes": list(raw(tid)),
                     "top_logprobs": top})
     return out
 
@@ -186,10 +221,12 @@ class ChatStream:
     """
 
     def __init__(self, started_in_think: bool = False, tools: Optional[list[dict]] = None, tolerant: bool = False,
-                 token_text: Optional[Callable[[int], str]] = None, split_reasoning: bool = True):
+                 token_text: Optional[Callable[[int], str]] = None, split_reasoning: bool = True,
+                 token_bytes: Optional[Callable[[int], bytes]] = None):
         self.splitter = ReasoningStreamSplitter(started_in_think) if split_reasoning else None
         self.decoder = ToolCallStreamDecoder(tools, tolerant=tolerant) if tools else None
         self.token_text = token_text or (lambda t: str(t))
+        self.token_bytes = token_bytes
         self.calls: list[ToolCall] = []
         self._lead_ws = ""
         self._content_started = False
@@ -199,7 +236,7 @@ class ChatStream:
     # -- feeding ------------------------------------------------------------------------
     def feed(self, delta: Delta) -> list[Out]:
         if delta.logprobs:
-            self._pending_lp.extend(logprob_entries(delta, self.token_text))
+            self._pending_lp.extend(logprob_entries(delta, self.token_text, self.token_bytes))
         out: list[Out] = []
         if delta.text:
             if self.splitter is None:

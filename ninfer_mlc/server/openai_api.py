@@ -10,14 +10,25 @@ import time
 from typing import Any, Optional
 
 from fastapi import APIRouter, Request
-from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse, Response
 
 from . import generation as gen
 from .constraints import openai_constraint
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, request_id, type_name
+from .fields import (
+    get_bool,
+    get_dict,
+    get_int,
+    get_str,
+    new_id,
+    object_items,
+    read_json,
+    request_id,
+    type_name,
+)
 from .generation import ChatInputs, ChatStream, Done, Out
+from .image_parts import VISION_MARKER, openai_image_part
+from .schema_check import check_schema
 from .sse import DONE, SSEResponse, sse_data
 
 router = APIRouter()
@@ -68,7 +79,8 @@ def check_model(state, body: dict) -> str:
 
 
 # ---- request parsing ----------------------------------------------------------------------
-def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional[str]:
+def _text_content(content: Any, param: str, allow_none: bool = True, images: Optional[list] = None) -> Optional[str]:
+    """images: where a user message's image parts go (their place in the text gets the vision marker)."""
     if content is None:
         if allow_none:
             return None
@@ -88,6 +100,9 @@ def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional
                 if not isinstance(p.get("text"), str):
                     raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
                 parts.append(p["text"])
+            elif ptype in ("image_url", "input_image") and images is not None:
+                images.append(openai_image_part(p, f"{param}[{j}]"))
+                parts.append(VISION_MARKER)
             elif ptype in ("image_url", "input_image", "input_audio", "file", "video_url"):
                 raise bad_request(f"{param}[{j}]: content type {ptype!r} is not supported (text-only model)",
                                   param=f"{param}[{j}].type")
@@ -98,7 +113,8 @@ def _text_content(content: Any, param: str, allow_none: bool = True) -> Optional
                       param=param)
 
 
-def parse_messages(raw: Any) -> list[dict]:
+def parse_messages(raw: Any, images: Optional[list] = None) -> list[dict]:
+    """images: collects the ImageRef of every user image part, in prompt order (None: images refused)."""
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", param="messages")
     out = []
@@ -114,7 +130,8 @@ def parse_messages(raw: Any) -> list[dict]:
         elif role == "function":
             role = "tool"
         msg: dict = {"role": role}
-        content = _text_content(m.get("content"), f"{p}.content", allow_none=role in ("assistant",))
+        content = _text_content(m.get("content"), f"{p}.content", allow_none=role in ("assistant",),
+                                images=images if role == "user" else None)
         msg["content"] = content if content is not None else ""
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
@@ -154,12 +171,7 @@ def _parse_history_calls(calls: Any, p: str) -> list[dict]:
 def parse_tools(raw: Any) -> Optional[list[dict]]:
     if raw is None:
         return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", param="tools")
-    for j, t in enumerate(raw):
-        p = f"tools[{j}]"
-        if not isinstance(t, dict):
-            raise bad_request(f"{p} must be an object", param=p)
+    for p, t in object_items(raw, "tools"):
         if t.get("type", "function") != "function":
             raise bad_request(f"{p}.type {t.get('type')!r} is not supported; only function tools are",
                               param=f"{p}.type")
@@ -170,9 +182,11 @@ def parse_tools(raw: Any) -> Optional[list[dict]]:
         if not isinstance(name, str) or not _TOOL_NAME_RE.fullmatch(name):
             raise bad_request(f"{p}.function.name must match [A-Za-z0-9_.-]{{1,128}}", param=f"{p}.function.name")
         params = fn.get("parameters")
-        if params is not None and not isinstance(params, dict):
-            raise bad_request(f"{p}.function.parameters must be a JSON schema object",
-                              param=f"{p}.function.parameters")
+        if params is not None:
+            check_schema(params, f"{p}.function.parameters")
+        strict = fn.get("strict", t.get("strict"))
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"{p}.function.strict must be a boolean", param=f"{p}.function.strict")
     return raw or None
 
 
@@ -207,7 +221,8 @@ def _sampling_layer(body: dict) -> tuple[dict, dict]:
 
 def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     """-> (inputs, stream, include_usage)."""
-    messages = parse_messages(body.get("messages"))
+    images: list = []
+    messages = parse_messages(body.get("messages"), images)
     tools = parse_tools(body.get("tools"))
     allow_calls = parse_tool_choice(body.get("tool_choice"))
     stream = bool(get_bool(body, "stream", False))
@@ -238,7 +253,7 @@ def parse_chat(state, body: dict) -> tuple[ChatInputs, bool, bool]:
     inp = ChatInputs(messages=messages, tools=tools, parse_tools=allow_calls and tools is not None,
                      enable_thinking=enable_thinking, preserve_thinking=preserve_thinking, template_kwargs=kwargs,
                      sampling=layer, param_names=names, session_key=session, constraint=constraint,
-                     constraint_param=constraint_param)
+                     constraint_param=constraint_param, images=images)
     if not allow_calls:
         inp.tools = None  # tool_choice "none": do not offer the tools at all
     return inp, stream, include_usage
@@ -335,7 +350,8 @@ async def chat_completions(request: Request):
     headers = {"x-request-id": rid}
     if handle is None:
         return Response(status_code=499, headers=headers)
-    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text)
+    conv = ChatStream(prep.started_in_think, prep.tools, state.config.tolerant_tool_calls, state.token_text,
+                      token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "openai.chat", rid, len(prep.prompt_ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     cid, created = new_id("chatcmpl-"), int(time.time())
@@ -372,6 +388,7 @@ async def _chat_sse(handle, chunker: ChatChunker, events):
 # ---- legacy completions -------------------------------------------------------------------
 def parse_prompt(state, raw: Any) -> list[int]:
     if isinstance(raw, str):
+        gen.check_fits(state, raw, param="prompt")
         return gen.encode(state, raw)
     if isinstance(raw, list) and raw:
         if all(isinstance(x, int) and not isinstance(x, bool) for x in raw):
@@ -425,7 +442,7 @@ async def completions(request: Request):
         layer["top_logprobs"] = n_lp
         names["top_logprobs"] = "logprobs"
     raw_prompt = body["prompt"]
-    ids = await run_in_threadpool(parse_prompt, state, raw_prompt)
+    ids = await state.prep.run(parse_prompt, state, raw_prompt)
     params = gen.resolve_params(state, layer, names, thinking=False)
     handle = await gen.submit(state, request.receive, ids, params, rid, get_str(body, "user"), prompt_param="prompt")
     headers = {"x-request-id": rid}
@@ -434,7 +451,7 @@ async def completions(request: Request):
     echo_text = ""
     if echo:
         echo_text = raw_prompt if isinstance(raw_prompt, str) else state.tok.decode(ids, skip_special_tokens=False)
-    conv = ChatStream(token_text=state.token_text, split_reasoning=False)
+    conv = ChatStream(token_text=state.token_text, split_reasoning=False, token_bytes=state.token_bytes)
     on_done = lambda d: gen.log_record(state, "openai.completions", rid, len(ids), d, t0, stream)  # noqa: E731
     events = gen.engine_events(handle, conv, on_done)
     cid, created = new_id("cmpl-"), int(time.time())

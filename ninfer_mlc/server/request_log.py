@@ -110,3 +110,12 @@ class RequestLogger:
         rec.update(extra)
         self.write(rec)
         return rec
+
+    def log_rejected(self, *, request_id: str, model: str, method: str, path: str, status: int,
+                     error_type: Optional[str], error: Optional[str], wall_ms: float) -> dict:
+        """A request answered with an error before (or instead of) generating: 4xx / 5xx."""
+        rec = {"ts": round(time.time(), 3), "request_id": str(request_id), "model": model, "method": method,
+               "path": path, "status": int(status), "finish_reason": "rejected", "error_type": error_type,
+               "error": error, "wall_ms": round(float(wall_ms), 3)}
+        self.write(rec)
+        return rec

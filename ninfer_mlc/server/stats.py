@@ -271,6 +271,7 @@ def render_stats(es: EngineStats, http_state: Any = None, model_id: Optional[str
         "spec": _spec(es.spec),
         "load": load,
         "cache_options": cache_options,
+        "vision": {"enabled": bool(es.vision), **es.vision},
     }
 
 

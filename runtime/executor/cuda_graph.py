@@ -208,10 +208,16 @@ class GraphedFunction:
         """{key: kernel/memcpy nodes in its graph} (how many launches one replay replaces)."""
         return {k: e.nodes for k, e in self._graphs.items()}
 
-    def close(self) -> None:
+    def reset(self) -> None:
+        """Forget every graph (the input buffers they read moved); keys start over: eager, capture, replay."""
         for e in self._graphs.values():
             self._destroy(e)
         self._graphs.clear()
+        self._seen.clear()
+        self._eager_only.clear()
+
+    def close(self) -> None:
+        self.reset()
         self._capture_thread.shutdown(wait=False)
 
 

@@ -6,7 +6,7 @@ copy each into device buffers of fixed address (views of the needed shape). The 
 per batch row and updated incrementally: a row remembers which sequence it held and how many of its
 pages it already has, so a growing sequence writes only its new page ids. Decode buffers never move,
 so CUDA graphs captured over their views stay valid; ragged (prefill/verify) buffers grow when a call
-needs more rows than they hold.
+needs more rows than they hold, and `generation` counts those moves so graphs over them can be dropped.
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ class StepInputs:
     def __init__(self, tvm, dev, max_batch: int, max_pages: int, ragged_tokens: int = 1024):
         self.tvm, self.dev = tvm, dev
         self.max_batch, self.max_pages = max_batch, max_pages
+        self.generation = 0  # bumped whenever the ragged buffers move (graphs recorded over them are stale)
         # decode: fixed capacity (graph-safe)
         self.d_tokens = _Buffer(tvm, dev, max_batch)
         self.d_positions = _Buffer(tvm, dev, max_batch)
@@ -86,10 +87,12 @@ class StepInputs:
         self.r_rows = PageTableRows(max_batch, max_pages)
 
     def _alloc_ragged(self, n: int) -> None:
+        self.generation += 1
         self.r_tokens = _Buffer(self.tvm, self.dev, n)
         self.r_positions = _Buffer(self.tvm, self.dev, n)
         self.r_seq = _Buffer(self.tvm, self.dev, n)
         self.r_out = _Buffer(self.tvm, self.dev, n)
+        self._hidden = None  # float32 rows of hidden states (MTP input), allocated on first use
 
     def _check_batch(self, b: int) -> None:
         if not 1 <= b <= self.max_batch:
@@ -116,9 +119,20 @@ class StepInputs:
                 self._stage_table(self.d_rows, self.d_pages, b, width), self.d_slots.upload((b,))]
 
     # ---- ragged (prefill / verify) --------------------------------------------------------
+    def hidden(self, h: np.ndarray):
+        """Device view of hidden-state rows [n, D] (float32) staged in a persistent buffer."""
+        h = np.ascontiguousarray(h, np.float32)
+        held = 0 if self._hidden is None else int(self._hidden.shape[0])
+        if held < h.size:
+            self.generation += 1
+            self._hidden = self.tvm.runtime.empty((max(h.size, 2 * held),), "float32", self.dev)
+        view = self._hidden._create_view(h.shape, "float32", 0)
+        view.copyfrom(h)
+        return view
+
     def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int]],
                out_rows: Optional[np.ndarray] = None,
-               starts: Optional[Sequence[int]] = None) -> tuple[list, np.ndarray, object]:
+               starts: Optional[Sequence[int]] = None, width_of=None) -> tuple[list, np.ndarray, object]:
         """[tokens, positions, token_seq, cu_seqlens, page_table, slot_ids] views, the cu_seqlens
         values, and (when out_rows is given) a view of those row indices. Chunk i sits at positions
         starts[i].. (default: the sequence's length, i.e. appended)."""
@@ -141,6 +155,8 @@ class StepInputs:
             off += k
         self.r_slots.host[:b] = [s.slot for s in seqs]
         width = self.r_rows.fill(seqs)
+        if width_of is not None:
+            width = min(width_of(width), self.max_pages)
         args = [self.r_tokens.upload((n,)), self.r_positions.upload((n,)), self.r_seq.upload((n,)),
                 self.r_cu.upload((b + 1,)), self._stage_table(self.r_rows, self.r_pages, b, width),
                 self.r_slots.upload((b,))]

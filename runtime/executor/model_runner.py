@@ -19,6 +19,7 @@ from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
 from .inputs import SeqLike, StepInputs
+from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
 
@@ -61,7 +62,12 @@ class ModelRunner:
         self.kv_pool = self.conv_pool = self.ssm_pool = self.mtp_kv_pool = None
         self.inputs: Optional[StepInputs] = None
         self.decode_graphs: Optional[GraphedFunction] = None
+        self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
+        self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
+        self.mtp_graphs: Optional[GraphedFunction] = None
+        self._graph_generation = 0
         self.num_pages = self.num_slots = 0
+        self.vision = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
     def _load_params(self) -> list:
@@ -121,6 +127,30 @@ class ModelRunner:
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
+            if self.has_verify:
+                self.verify_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify"])
+            if self.has_taps:
+                self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
+            if self.has_mtp:
+                self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+        self._graph_generation = self.inputs.generation
+
+    def zero_kv(self) -> None:
+        """Zero the whole KV pool once. The engine never reads a position it did not write; a harness that
+        times decode over reserved-but-unwritten context does, and fresh memory may hold NaN patterns."""
+        if self.device_kind == "cuda":
+            try:
+                import torch
+                torch.from_dlpack(self.kv_pool).zero_()
+                return
+            except Exception:  # noqa: BLE001  (no torch, or a dtype it cannot view): page by page below
+                pass
+        else:
+            self.kv_pool.copyfrom(np.zeros(self.kv_shape, self._np_kv))
+            return
+        zero = np.zeros(self.layout.kv_page, self._np_kv)
+        for p in range(self.num_pages):
+            self.page_view(p).copyfrom(zero)
 
     @property
     def kv_shape(self) -> tuple:
@@ -219,25 +249,34 @@ class ModelRunner:
         lens = np.array([len(t) for _, t in batch], np.int64)
         cu = np.concatenate([[0], np.cumsum(lens)])
         rows = np.arange(cu[-1], dtype=np.int32) if all_logits else (cu[1:] - 1).astype(np.int32)
-        args, cu, rows_view = self._ragged(batch, rows)
-        logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
+        if has_media(batch):  # image rows and M-RoPE positions (executor/media_forward.py)
+            logits = self._cut(prefill_media(self, batch, rows))
+        else:
+            args, cu, rows_view = self._ragged(batch, rows)
+            logits = self._cut(self.vm["prefill"](*args, rows_view, *self._pools())[0].numpy())
         if all_logits:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
 
-    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int]) -> np.ndarray:
-        """One token per sequence at its length; returns logits [B, V]."""
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], on_device: bool = False):
+        """One token per sequence at its length; returns logits [B, V] (on_device: the library's output
+        tensor, uncut, for the device sampler; valid until the next decode call)."""
         self._check_room(seqs, [1] * len(seqs))
         self._check_tokens([tokens])
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
         # attention split count, which follows the width, is the same in both modes)
         bucket = page_width_bucket if self.device_kind == "cuda" else None
         args = self.inputs.decode(seqs, tokens, bucket)
-        if self.decode_graphs is not None:
+        rope = decode_rope_positions(seqs)  # cache position + rope delta after images
+        if rope is not None:
+            tokens_v, positions_v, pt_v, slots_v = args
+            out = self.vm["decode_mrope"](tokens_v, positions_v, self.inputs.tensor(rope), pt_v, slots_v,
+                                          *self._pools())
+        elif self.decode_graphs is not None:
             out = self.decode_graphs(args, self._pools())
         else:
             out = self.vm["decode"](*args, *self._pools())
-        return self._cut(out[0].numpy())
+        return out[0] if on_device else self._cut(out[0].numpy())
 
     # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
     # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
@@ -252,12 +291,32 @@ class ModelRunner:
         out = self.vm[self._hidden_fn("prefill_h", taps)](*args, rows_view, *self._pools())
         return list(self._cut(out[0].numpy())), self._split_rows(out[1], cu, taps)
 
+    def _ragged_graphs(self) -> None:
+        """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
+        if self.inputs.generation != self._graph_generation:
+            for g in (self.verify_graphs, self.verify_t_graphs, self.mtp_graphs):
+                if g is not None:
+                    g.reset()
+            self._graph_generation = self.inputs.generation
+
     def verify(self, batch, taps: bool = False) -> tuple[list[np.ndarray], list]:
         """One batched multi-token target forward: ([len, V] logits, [len, D] hidden) per sequence.
         KV is written and the GDN state advanced like a prefill; the caller rolls back rejections.
-        taps: the tap layers' outputs instead of the final hidden (DeviceRows: verify_t)."""
-        args, cu, _ = self._ragged(batch)
-        out = self.vm[self._hidden_fn("verify", taps)](*args, *self._pools())
+        On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats.
+        taps: the tap layers' outputs instead of the final hidden (DeviceRows: verify_t). Replayed, they
+        are the graph's output buffer, which the next replay of that shape overwrites: consume them first."""
+        seqs = [s for s, _ in batch]
+        chunks = [t for _, t in batch]
+        self._check_room(seqs, [len(t) for t in chunks])
+        self._check_tokens(chunks)
+        name = self._hidden_fn("verify", taps)
+        graphs = self.verify_t_graphs if taps else self.verify_graphs
+        args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        if graphs is not None:
+            self._ragged_graphs()
+            out = graphs(args, self._pools())
+        else:
+            out = self.vm[name](*args, *self._pools())
         logits = self._cut(out[0].numpy())
         return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self._split_rows(out[1], cu, taps)
 
@@ -297,7 +356,7 @@ class ModelRunner:
         last = (np.cumsum(lens) - 1).astype(np.int32)
         args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
                                                 starts=[p for _, _, _, p in items])
-        ragged = [self.inputs.tensor(hidden, "float32")] + args[:3] + [args[4]]  # no cu_seqlens / slots
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]  # no cu_seqlens / slots
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
@@ -309,11 +368,17 @@ class ModelRunner:
         """One MTP row per sequence (a chained draft step): (logits [b, V or len(shortlist)], hidden [b, D])."""
         self._check_mtp(seqs, list(positions))
         self._check_tokens([tokens])
-        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions))
-        ragged = [self.inputs.tensor(np.ascontiguousarray(hidden, np.float32), "float32")] + args[:3] + [args[4]]
+        graphs = self.mtp_graphs if shortlist is None else None
+        args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions),
+                                        width_of=page_width_bucket if graphs is not None else None)
+        ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]
         if shortlist is not None:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
         else:
-            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+            if graphs is not None:
+                self._ragged_graphs()
+                out = graphs(ragged, [self.mtp_kv_pool, self.params])
+            else:
+                out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()

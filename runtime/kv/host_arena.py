@@ -87,7 +87,7 @@ import heapq
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = [
     "MEMINFO_PATH",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .host_tier import HostTier
 from .pages import PageAllocator, SlotAllocator
@@ -32,6 +32,7 @@ class SeqKV:
     pages: list = field(default_factory=list)
     length: int = 0
     uid: int = field(default_factory=lambda: next(_uids))
+    media: Any = None  # the request's images (runtime/vision/media.py): what the executor needs for their rows
 
 
 class KVManager:
@@ -214,6 +215,16 @@ class KVManager:
 
     def _copy_state(self, src: int, dst: int) -> None:
         self.host.copy_state_d2d(src, dst) if self.host else self.runner.copy_state(src, dst)
+
+    def reclaimable_pages(self) -> int:
+        """Pages a new sequence could get without preempting a live one: free pages plus the pages only
+        unclaimed device cache entries hold (demoting or evicting those frees them)."""
+        n = self.pages.free_pages
+        if self.cache is not None:
+            for e in self.cache.device_entries():
+                if not e.claimed:
+                    n += sum(1 for p in e.pages if self.pages.refcount(p) == 1)
+        return n
 
     def ensure(self, seq: SeqKV, new_tokens: int) -> bool:
         """Pages for seq.length + new_tokens (freeing cached owners if needed); False, with nothing

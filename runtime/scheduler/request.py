@@ -24,6 +24,7 @@ class GenRequest:
     started_in_think: bool = False  # the prompt's generation prompt opened <think>
     cache_mode: str = ""  # template mode (e.g. thinking on/off) + media: part of the KV identity
     constraint: Optional[dict] = None  # constrained decoding spec (runtime/structural_tags.py)
+    media: Any = None  # runtime/vision/media.py MediaInput: images, M-RoPE positions, cache key ids
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -95,6 +96,16 @@ class Request:
 
     def all_tokens(self) -> list[int]:
         return list(self.req.prompt_ids) + self.generated
+
+    def cache_keys(self, tokens: list[int]) -> list[int]:
+        """The prefix-cache identity of tokens (a prefix of prompt + generated): image placeholders become
+        ids derived from their image's digest (runtime/vision/mrope.py cache_key_ids), so a different image
+        of the same size never matches."""
+        media = self.req.media
+        if media is None:
+            return tokens
+        n = len(self.req.prompt_ids)
+        return list(media.key_ids[: min(len(tokens), n)]) + list(tokens[n:])
 
     @property
     def decoding(self) -> bool:

@@ -171,21 +171,25 @@ class Scheduler:
                 self.waiting.popleft()
                 self.counters.requests_rejected_context += 1
                 self.counters.requests_finished += 1
-                r.sink.admit(ContextTooLong(len(r.req.prompt_ids), self.kv.capacity_tokens - 1, "KV pool size"))
+                r.sink.admit(ContextTooLong(len(r.req.prompt_ids), self.kv.capacity_tokens - 1, "device KV pool"))
                 continue
             history = r.fed_tokens()
+            if self.running and self.kv.pages_for(len(history) + 1) > self.kv.reclaimable_pages():
+                return  # admitting it now would only preempt a running request (and be preempted back)
             resumed = r.pending_token is not None
-            seq = self.kv.admit(history, r.identity, r.req.session_key,
+            seq = self.kv.admit(r.cache_keys(history), r.identity, r.req.session_key,
                                 max_reuse=len(history) if resumed else len(history) - 1)
             if seq is None:
                 return  # wait for running requests to release a state slot
             self.waiting.popleft()
+            seq.media = r.req.media  # the executor reads image rows / M-RoPE positions from here
             r.seq = seq
             r.feed = history[seq.length:]
             if not r.t_admit:  # first admission (a preempted request keeps its figures)
                 r.cached_tokens = seq.length
                 r.checkpoints = self._checkpoints(r.req.prompt_ids, seq.length)
                 r.t_admit = time.monotonic()
+                r.sink.cached_tokens = seq.length
                 q_ms = (r.t_admit - r.t_submit) * 1000
                 self.counters.queue_time_ms_last = q_ms
                 self.counters.queue_time_ms_max = max(self.counters.queue_time_ms_max, q_ms)
@@ -223,7 +227,7 @@ class Scheduler:
         recomputing whenever the entry survives."""
         if self.spec is not None:
             self.spec.release(v)
-        self.kv.release(v.seq, v.fed_tokens(), v.identity, v.req.session_key)
+        self.kv.release(v.seq, v.cache_keys(v.fed_tokens()), v.identity, v.req.session_key)
         v.seq = None
         v.preemptions += 1
         self.counters.preemptions += 1
@@ -243,7 +247,7 @@ class Scheduler:
             r.prompt_computed += len(w.tokens)
             self.counters.computed_prefill_tokens += len(w.tokens)
             if r.seq.length in r.checkpoints:
-                self.kv.checkpoint(r.seq, r.req.prompt_ids, r.identity, r.req.session_key)
+                self.kv.checkpoint(r.seq, r.cache_keys(r.req.prompt_ids), r.identity, r.req.session_key)
                 r.checkpoints = [c for c in r.checkpoints if c > r.seq.length]
             if w.samples:
                 r.t_prefill_done = r.t_prefill_done or now
@@ -340,7 +344,8 @@ class Scheduler:
             self.spec.release(r)
         if r.seq is not None:
             # an engine error may have interrupted an in-place forward: never cache that state
-            self.kv.release(r.seq, r.all_tokens(), r.identity, r.req.session_key, keep=reason != "error")
+            self.kv.release(r.seq, r.cache_keys(r.all_tokens()), r.identity, r.req.session_key,
+                            keep=reason != "error")
             r.seq = None
         r.sink.admit(None)  # a no-op once admitted
         end = time.monotonic()

@@ -63,6 +63,7 @@ class SpeculativeDecoder:
         # what the target's prefill / verify return besides logits for the proposer: the final hidden
         # state (MTP) or, for DFlash drafters, the tap layers' outputs
         self.hidden_kw = {"taps": True} if getattr(proposer, "target_hidden", "final") == "taps" else {}
+        self.before_round = getattr(proposer, "before_round", None)
         self.states: dict[int, SpecState] = {}
 
     def state(self, req: Request) -> SpecState:
@@ -136,6 +137,8 @@ class SpeculativeDecoder:
 
     def round(self, work: list[DecodeWork]) -> dict[int, RowResult]:
         c = self.counters
+        if self.before_round is not None:
+            self.before_round()
         for w in work:
             st = self.state(w.req)
             st.qs = []

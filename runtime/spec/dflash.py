@@ -2,9 +2,10 @@
 
 Context: the target's tap-layer outputs (prefill_t / verify_t, DeviceRows that stay on the device) of
 every committed, fed position. After a prefill they are written into the drafter's KV at once; the
-rows a verification keeps (settle -> after_verify) wait and are written by the next propose in one
-batched call (or at release, so a finished sequence's pages carry the drafter's KV into the prefix
-cache and the host tier). Positions only ever get K/V of committed tokens, so rollback is free.
+rows a verification keeps (settle -> after_verify) wait and are written at the start of the next
+round in one batched call (before_round), before its verify can replay a CUDA graph over them (or at
+release, so a finished sequence's pages carry the drafter's KV into the prefix cache and the host
+tier). Positions only ever get K/V of committed tokens, so rollback is free.
 
 Drafting: one forward of the block [last committed token, MASK x (B-1)] per request (all requests
 of the round in one call), positions start..start+B-1 where start is the pending token's position;
@@ -62,6 +63,7 @@ class DFlashProposer:
         self.name = kind
         self.block = self.dr.cfg.block_size
         self.free_lanes = list(range(lanes))[::-1]
+        self.contexts: dict[int, DFlashSeq] = {}  # lane -> the context living there
         self.selector = CandidateSelector(*self.dr.codebooks(), self.dr.cfg.selector_top_k) if kind == "dflash2" \
             else None
 
@@ -72,10 +74,12 @@ class DFlashProposer:
             return d
         if d is not None:  # another residency of the request (not reached: release runs on preemption)
             st.dflash = None
+            self.contexts.pop(d.lane, None)
             self.free_lanes.append(d.lane)
         if not self.free_lanes:
             return None
         d = st.dflash = DFlashSeq(self.free_lanes.pop(), req.seq, written=start, ring_lo=start)
+        self.contexts[d.lane] = d
         return d
 
     def _add(self, req, st: SpecState, start: int, rows) -> None:
@@ -103,6 +107,11 @@ class DFlashProposer:
     def after_verify(self, req, st: SpecState, hidden, kept: int, k: int, start: int) -> None:
         self._add(req, st, start, hidden)
 
+    def before_round(self) -> None:
+        """Write every context's waiting verify rows (drafting this round or not) in one call: on CUDA
+        they live in a verify graph's output buffer, which this round's verify may replay over."""
+        self._flush(list(self.contexts.values()))
+
     def release(self, st: SpecState) -> None:
         d = st.dflash
         if d is None:
@@ -112,6 +121,7 @@ class DFlashProposer:
             self._flush([d])
         except Exception:  # noqa: BLE001 - a failed step may have left the device unusable; drafts are optional
             log.exception("dflash: writing the context of a released request failed")
+        self.contexts.pop(d.lane, None)
         self.free_lanes.append(d.lane)
 
     # ---- drafting -----------------------------------------------------------------------------

@@ -73,8 +73,13 @@ def _wgmma_source(name: str, n: int, ab: str) -> str:
 
 
 def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogue: str, *, bn: int, stages: int,
-                  group_m: int) -> str:
-    """CUDA of the device function `name`(x, w, res, out, n, smem): one block's whole tile."""
+                  group_m: int, rows: dict | None = None) -> str:
+    """CUDA of the device function `name`(x, w, res, out, n, smem): one block's whole tile.
+
+    rows: the grouped (MoE) variant's hooks (compile/kernels/cuda/moe_sm90.py), C text: "params" (extra
+    parameters after `n`), "tile" (the block's tile: defines m0, n0, nrows = rows of the group, wb = the
+    group's weights; may return), "a_row" / "out_row" (the x / out row of group row `r`). None: the plain GEMM
+    (rows 0..n of x and out, the grouped tile order)."""
     silu = epilogue == "silu_mul"
     OO = O // 2 if silu else O
     ct = _CT[dtype]
@@ -93,6 +98,10 @@ def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogu
     def cast_in(v):  # round to the activation dtype and back (the GEMV epilogues' cast(y))
         return f"(float)(({ct})({v}))"
 
+    hooks = rows or {}
+    nrows = "nrows" if rows else "n"
+    out_row = f"({hooks['out_row']})" if rows else "r"
+
     if silu:
         store = f"""
       // gate column c (i < {acc // 8}) and its up column (i + {acc // 8}) are in this thread
@@ -109,13 +118,13 @@ def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogu
             float u = {cast_in(f"acc[4 * (i + {acc // 8}) + 2 * h + e]")};
             v[e] = {to_out}(g / (1.0f + __expf(-g)) * u);
           }}
-          if (r < n && c + 1 < {OO} && {int(OO % 2 == 0)}) {{
+          if (r < {nrows} && c + 1 < {OO} && {int(OO % 2 == 0)}) {{
             {"float2 pr = make_float2(v[0], v[1]);" if ot == "float" else f"{ot}2 pr; pr.x = v[0]; pr.y = v[1];"}
-            *({"float2" if ot == "float" else ot + "2"}*)(out + (long long)r * {OO} + c) = pr;
-          }} else if (r < n) {{
+            *({"float2" if ot == "float" else ot + "2"}*)(out + (long long){out_row} * {OO} + c) = pr;
+          }} else if (r < {nrows}) {{
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (c + e < {OO}) out[(long long)r * {OO} + c + e] = v[e];
+              if (c + e < {OO}) out[(long long){out_row} * {OO} + c + e] = v[e];
           }}
         }}
       }}"""
@@ -131,15 +140,15 @@ def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogu
 #pragma unroll
         for (int h = 0; h < 2; ++h) {{
           int r = m0 + wg * 64 + 16 * warp + (lane >> 2) + 8 * h;
-          if (r >= n) continue;
+          if (r >= {nrows}) continue;
           if (c + 1 < {OO} && {int(OO % 2 == 0)}) {{
             {ot} v0 = {to_out}({val.replace('+ e', '+ 0')}), v1 = {to_out}({val.replace('+ e', '+ 1')});
             {"float2 pr = make_float2(v0, v1);" if ot == "float" else f"{ot}2 pr; pr.x = v0; pr.y = v1;"}
-            *({"float2" if ot == "float" else ot + "2"}*)(out + (long long)r * {OO} + c) = pr;
+            *({"float2" if ot == "float" else ot + "2"}*)(out + (long long){out_row} * {OO} + c) = pr;
           }} else {{
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              if (c + e < {OO}) out[(long long)r * {OO} + c + e] = {to_out}({val});
+              if (c + e < {OO}) out[(long long){out_row} * {OO} + c + e] = {to_out}({val});
           }}
         }}
       }}"""
@@ -153,6 +162,13 @@ def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogu
         bok = f"(n0 + rr < {O})"
     k_pred = K % BK != 0
     kcheck = f" && k + kc < {K}" if k_pred else ""
+    tile_order = f"""  const int m_tiles = (n + {BM - 1}) / {BM};
+  // grouped tile order: GROUP_M row tiles x all column tiles, rows fastest within a group
+  const int bid = blockIdx.x, per_group = {group_m} * {n_tiles};
+  const int first_m = bid / per_group * {group_m};
+  const int gsize = min(m_tiles - first_m, {group_m});
+  const int tm = first_m + (bid % per_group) % gsize, tn = (bid % per_group) / gsize;
+  const int m0 = tm * {BM}, n0 = tn * {cols};"""
 
     return _wgmma_source(mma, bn, ab) + f"""
 __device__ __forceinline__ void {name}_cp16(unsigned dst, const void* src, bool ok) {{
@@ -166,15 +182,9 @@ __device__ __forceinline__ unsigned long long {name}_desc(unsigned addr) {{
 // one block: output tile (m0.., n0..) of out[n, {OO}] = epilogue(x[n, {K}] @ w[{O}, {K}]^T)
 __device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const {ct}* __restrict__ w,
                                        const {ct}* __restrict__ res, {ot}* __restrict__ out, int n,
-                                       void* smem_raw) {{
+                                       {hooks.get("params", "")}void* smem_raw) {{
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int m_tiles = (n + {BM - 1}) / {BM};
-  // grouped tile order: GROUP_M row tiles x all column tiles, rows fastest within a group
-  const int bid = blockIdx.x, per_group = {group_m} * {n_tiles};
-  const int first_m = bid / per_group * {group_m};
-  const int gsize = min(m_tiles - first_m, {group_m});
-  const int tm = first_m + (bid % per_group) % gsize, tn = (bid % per_group) / gsize;
-  const int m0 = tm * {BM}, n0 = tn * {cols};
+{hooks.get("tile") or tile_order}
   unsigned base = (unsigned)__cvta_generic_to_shared(smem_raw);
   base = (base + 1023u) & ~1023u;
   // this thread's copies: chunk kc of A rows (tid / 8 + 32 j) and of B rows (tid / 8 + 32 j)
@@ -187,14 +197,14 @@ __device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const {ct}* _
 #pragma unroll
   for (int j = 0; j < {a_chunks}; ++j) {{
     int r = m0 + (tid >> 3) + 32 * j;
-    aok[j] = r < n;
-    aptr[j] = x + (long long)(aok[j] ? r : 0) * {K} + kc;
+    aok[j] = r < {nrows};
+    aptr[j] = x + (long long)(aok[j] ? {f"({hooks['a_row']})" if rows else "r"} : 0) * {K} + kc;
   }}
 #pragma unroll
   for (int j = 0; j < {b_chunks}; ++j) {{
     int rr = (tid >> 3) + 32 * j;
     bok[j] = {bok};
-    bptr[j] = w + (long long)(bok[j] ? {brow} : 0) * {K} + kc;
+    bptr[j] = {"wb" if rows else "w"} + (long long)(bok[j] ? {brow} : 0) * {K} + kc;
   }}
   auto load = [&](int t) {{
     if (t < {kt}) {{

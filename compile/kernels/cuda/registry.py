@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, norm
+from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, sampling
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -34,9 +34,18 @@ DEFAULT_KERNELS = {
     # prefill GEMM (gemm_sm90.py, sm_90 only): tile columns, cp.async ring depth, grouped tile order, and
     # the row count up to which a call runs the decode GEMV's launch instead
     "gemm": {"bn": 256, "stages": 4, "group_m": 8, "small_rows": 32},
+    # device sampler (sampling.py): threads of the per-row select / logprobs blocks, of the process launch
+    "sampler": {"threads": 1024, "process_threads": 256},
+    # grouped expert GEMMs (moe.py): warps splitting K, 16-bit K steps of 32 per warp iteration (NVFP4: half as
+    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert
+    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4},
+    # sm_90: calls of the grouped expert GEMMs with at least rows_per_expert (token, expert) pairs per expert slot
+    # on average run the wgmma kernel (moe_sm90.py, gemm's tile with bn columns and a stages-deep ring) instead
+    # of the mma.sync passes
+    "moe_wgmma": {"bn": 256, "stages": 4, "rows_per_expert": 48},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
-ARCH_ONLY = {"gemm": ("sm_90",)}
+ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
 
 
 def current_arch() -> str:
@@ -86,6 +95,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], state_tile=cp["state_tile"],
                                       ept=cp["ept"], mma=cp["mma"], mma_tile=cp["mma_tile"], tf32x3=bool(x3))
 
+    mw = p["moe_wgmma"]
+    moe_wgmma = (mw["bn"], mw["stages"], mw["rows_per_expert"]) if arch in ARCH_ONLY["moe_wgmma"] else None
     return SimpleNamespace(
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"]),
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
@@ -103,6 +114,18 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         gdn_gated_norm=gdn_prep.gdn_gated_norm,
         # gemm(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None: prefill projections
         # (gemv's contract; few rows run the gemv launch inside it). None where the arch has no such kernel.
+        # sampler(vocab) -> process / select / logprobs / append / counts_add (the llvm set's contract)
+        sampler=partial(sampling.sampler_kernels, **p["sampler"]),
         gemm=partial(gemm_sm90.gemm, **p["gemm"], gemv_params=tuple(sorted(p["gemv"].items())))
         if arch in ARCH_ONLY["gemm"] else None,
+        # mixture of experts (compile/moe.py; moe.py's docstring for the contracts): router top-k with the pairs
+        # grouped by expert, grouped gate_up / down GEMMs over the selected experts, weighted combine (+ residual)
+        moe_route=moe.moe_route,  # top-k + pairs grouped by expert (one launch for decode-size calls)
+        moe_route_len=moe.route_len,  # int32 entries of moe_route's route buffer for a number of expert slots
+        moe_gate_up=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
+            "gate_up", hidden, 2 * inter, slots, pairs, dtype, weight_format, **p["moe"], wgmma=moe_wgmma),
+        moe_down=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
+            "down", inter, hidden, slots, pairs, dtype, weight_format, **p["moe"], wgmma=moe_wgmma),
+        moe_combine=moe.moe_combine,
+        moe_experts=None,  # the llvm set's per-token kernel
     )

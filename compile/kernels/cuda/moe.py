@@ -1,0 +1,700 @@
+"""CUDA mixture-of-experts kernels: router top-k, pairs grouped by expert, grouped expert GEMMs, combine.
+
+compile/moe.py composes them (the llvm set instead runs compile/kernels/moe.py's per-token experts kernel; the
+numerics contract is that file's). A token t has P (expert, weight) pairs p = t * P + j (the top-k, plus the
+shared expert when it is folded into the expert arrays):
+
+  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex)] i32
+      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch:
+    top-k: one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
+      (larger p, then lower index), renormalised when `norm`; column K = (E, sigmoid(logits[E])).
+    align: one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
+      expert, route[e] .. route[e+1] = expert e's range in order (route[Ex] = n*P), route[Ex+1] = U, the number
+      of experts with pairs, route[Ex+2 .. Ex+2+U) = those experts ascending, route[2Ex+2 + u] = row tiles of
+      TILE_ROWS pairs before the u-th of them (u = 0 .. U: the last is the total; the sm_90 wgmma launch maps its
+      blocks through it, compile/kernels/cuda/moe_sm90.py). Order inside a group is free: every pair's result is
+      computed alone (a GEMM row / column), so it does not change the numbers.
+  moe_gate_up(x[n, D], order, route, gate_up[Ex, 2I, D]...) -> h[n*P, I]
+      h[s] = round(silu(round(g)) * round(u)) for the pair at position s of order (x row order[s] / P).
+  moe_down(h, order, route, down[Ex, D, I]...) -> y[n*P, D]
+      y[order[s]] = round(down[e] @ h[s]) (the pair's row; weighting is left to the combine).
+  moe_combine(y, w[, res][, shared]) -> out[n, D]
+      out[t] = round(res[t] + sum_j w[t, j] * y[t*P + j] (+ w[t, K] * shared[t])), fp32 sums in j order.
+
+The expert GEMMs launch grid (row tiles, min(Ex, n*P)): block (tile, u) takes the u-th selected expert (blocks
+past U exit), so decode reads only the weights of the experts its batch selected, each once, whatever the
+batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.py): a warp owns 16 weight rows
+(gate_up: 8 gate rows and their 8 up rows, so silu_mul pairs them in one thread) as the A operand of
+mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
+loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
+passes of 8 * big_tiles columns. Both pass widths split K the same way (one unroll), so a pair's sums do not
+depend on where in its group the align step's atomics put it: the results are deterministic (CUDA graph replays
+equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
+in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
+byte_perm, row scale * 2^7 in the epilogue). Other dtypes / shapes (f32 models, K % 8 != 0): an FMA path, one
+thread per (row, column) of a pass.
+
+The device code is CUDA text inside `// NINFER_ATTN_SRC_BEGIN/END` (the inline-asm helpers inside
+`// NINFER_ATTN_DEV_BEGIN/END`, include-guarded), so bench/attn_gpu_check.py's CPU emulator runs it
+(tests/test_cuda_moe.py). Parameters: schedules/cuda_<arch>.json "kernels.moe" (registry.DEFAULT_KERNELS).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from tvm.script import tirx as T
+
+from . import attention, moe_sm90
+from . import gemv as gemv_kernels
+
+_CT = {"bfloat16": "nv_bfloat16", "float16": "half", "float32": "float"}
+_MMA_T = {"bfloat16": "bf16", "float16": "f16"}
+TOPK_WARPS = 4  # tokens per top-k block
+COMBINE_THREADS = 256
+
+
+def _dev(name: str, body: str) -> str:
+    """An inline-asm helper: emulated by bench/attn_gpu_check.py's prelude, include-guarded here (several
+    kernels of one module carry it)."""
+    g = name.upper() + "_DEFINED"
+    return f"\n// NINFER_ATTN_DEV_BEGIN\n#ifndef {g}\n#define {g}\n{body.strip()}\n#endif\n// NINFER_ATTN_DEV_END\n"
+
+
+def _src(name: str, body: str) -> str:
+    """Device code the CPU emulator compiles as it is (guarded like _dev)."""
+    g = name.upper() + "_DEFINED"
+    return (f"\n// NINFER_ATTN_SRC_BEGIN\n#ifndef {g}\n#define {g}\n{body.strip()}\n#endif\n"
+            "// NINFER_ATTN_SRC_END\n")
+
+
+def _mma_helper(t: str) -> str:
+    """attention.py's mma.sync m16n8k16 helper under this file's name, guarded."""
+    body = attention._MMA_SRC["bfloat16" if t == "bf16" else "float16"][1]
+    body = body.split("// NINFER_ATTN_DEV_BEGIN\n")[1].split("\n// NINFER_ATTN_DEV_END")[0]
+    return _dev(f"ninfer_moe_mma_{t}", body.replace("ninfer_attn_mma_", "ninfer_moe_mma_"))
+
+
+# 16 bytes of weights through the read-only path past L1 (x is re-read by every tile: cached loads)
+_LDW = _dev("ninfer_moe_ldw", """
+__device__ __forceinline__ uint4 ninfer_moe_ldw(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}""")
+_ATOMIC = _dev("ninfer_moe_atomic_add", """
+__device__ __forceinline__ int ninfer_moe_atomic_add(int* p, int v) { return atomicAdd(p, v); }""")
+# gemv.py's NVFP4 register dequantization under this file's names (TVM emits one source per called function:
+# the dense GEMV's copy is not guarded)
+_BF16X2 = _dev("ninfer_moe_bf16x2_mul", gemv_kernels._BF16X2_MUL_SRC.replace("ninfer_bf16x2_mul",
+                                                                            "ninfer_moe_bf16x2_mul"))
+_DQ32 = _src("ninfer_moe_nvfp4_dq32", gemv_kernels._NVFP4_DQ_BODY.replace("ninfer_nvfp4_dq32", "ninfer_moe_nvfp4_dq32")
+             .replace("ninfer_bf16x2_mul", "ninfer_moe_bf16x2_mul"))
+
+
+def _opaque(func, name: str):
+    """The kernel under its symbol, marked opaque: its body is one call into CUDA text, which relax's pattern
+    analysis would take for an elementwise op (and fuse with its neighbours)."""
+    return func.with_attr("global_symbol", name[len("ninfer_"):]).with_attr("op_pattern", 8)
+
+
+def _c(v: float) -> str:
+    return repr(float(v)) + "f"
+
+
+# ---------------------------------------------------------------------------------------------
+# router top-k
+def topk_source(name: str, E: int, K: int, norm: bool) -> str:
+    EPL = (E + 31) // 32
+    return _src(name, f"""
+// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate
+__device__ __forceinline__ void {name}_token(const float* __restrict__ logits, int* __restrict__ ids,
+                                             float* __restrict__ w, const int t, const int lane) {{
+  const float* l = logits + (long long)t * {E + 1};
+  float p[{EPL}];
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < {EPL}; ++i) {{
+    const int e = lane + 32 * i;
+    p[i] = e < {E} ? l[e] : -INFINITY;
+    m = fmaxf(m, p[i]);
+  }}
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < {EPL}; ++i) {{
+    p[i] = lane + 32 * i < {E} ? expf(p[i] - m) : 0.f;
+    s += p[i];
+  }}
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+#pragma unroll
+  for (int i = 0; i < {EPL}; ++i) p[i] = __fdiv_rn(p[i], s);
+  float sel = 0.f;
+  for (int j = 0; j < {K}; ++j) {{
+    float bv = -2.f;
+    int bi = {E};
+#pragma unroll
+    for (int i = 0; i < {EPL}; ++i)
+      if (lane + 32 * i < {E} && p[i] > bv) {{ bv = p[i]; bi = lane + 32 * i; }}
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {{
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {{ bv = ov; bi = oi; }}
+    }}
+#pragma unroll
+    for (int i = 0; i < {EPL}; ++i)
+      if (lane + 32 * i == bi) p[i] = -1.f;  // taken
+    if (lane == 0) {{ ids[t * {K + 1} + j] = bi; w[t * {K + 1} + j] = bv; }}
+    sel += bv;
+  }}
+  if (lane == 0) {{
+    {f"for (int j = 0; j < {K}; ++j) w[t * {K + 1} + j] = __fdiv_rn(w[t * {K + 1} + j], sel);" if norm else ""}
+    ids[t * {K + 1} + {K}] = {E};
+    w[t * {K + 1} + {K}] = __fdiv_rn(1.f, 1.f + expf(-l[{E}]));
+  }}
+}}
+
+__device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids,
+                                       float* __restrict__ w, int n) {{
+  const int t = blockIdx.x * {TOPK_WARPS} + (threadIdx.x >> 5);
+  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31);  // the whole warp
+}}""")
+
+
+# ---------------------------------------------------------------------------------------------
+# pairs grouped by expert
+from .moe_sm90 import TILE_ROWS  # noqa: E402 - pairs per row tile of the sm_90 wgmma launch
+
+
+def route_len(slots: int) -> int:
+    return 3 * slots + 3
+
+
+def align_threads(slots: int) -> int:
+    nt = 128
+    while nt < slots:
+        nt *= 2
+    return nt
+
+
+def align_source(name: str, Ex: int, K: int, P: int) -> str:
+    NT = align_threads(Ex)
+    return _src(name, f"""
+// one block of {NT}: pair p = t * {P} + j of expert ids[t, j]; counting sort by expert ({Ex} slots)
+__device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restrict__ order, int* __restrict__ route,
+                                       int n) {{
+  __shared__ int cnt[{Ex}];
+  __shared__ int cur[{Ex}];
+  __shared__ int sa[{NT}];
+  __shared__ int sb[{NT}];
+  __shared__ int sc[{NT}];
+  const int tid = threadIdx.x, np = n * {P};
+  for (int e = tid; e < {Ex}; e += {NT}) cnt[e] = 0;
+  __syncthreads();
+  for (int q = tid; q < np; q += {NT}) ninfer_moe_atomic_add(&cnt[ids[q / {P} * {K + 1} + q % {P}]], 1);
+  __syncthreads();
+  const int v = tid < {Ex} ? cnt[tid] : 0, vt = (v + {TILE_ROWS - 1}) / {TILE_ROWS};
+  sa[tid] = v;
+  sb[tid] = v > 0;
+  sc[tid] = vt;
+  __syncthreads();
+  for (int d = 1; d < {NT}; d <<= 1) {{  // inclusive scans of the counts, the used flags and the row tiles
+    const int ta = tid >= d ? sa[tid - d] : 0, tb = tid >= d ? sb[tid - d] : 0, tc = tid >= d ? sc[tid - d] : 0;
+    __syncthreads();
+    sa[tid] += ta;
+    sb[tid] += tb;
+    sc[tid] += tc;
+    __syncthreads();
+  }}
+  if (tid < {Ex}) {{
+    route[tid] = sa[tid] - v;
+    cur[tid] = sa[tid] - v;
+    if (v > 0) {{
+      route[{Ex + 2} + sb[tid] - 1] = tid;
+      route[{2 * Ex + 2} + sb[tid] - 1] = sc[tid] - vt;
+    }}
+  }}
+  if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; route[{2 * Ex + 2} + sb[tid]] = sc[tid]; }}
+  __syncthreads();
+  for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;
+}}""")
+
+
+ROUTE_FUSED_MAX = 64  # tokens up to which moe_route is one block (decode, verify rows)
+
+
+@lru_cache(maxsize=None)
+def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int):
+    """Router top-k then the pairs grouped by expert: logits -> ids, w, order, route. Up to ROUTE_FUSED_MAX tokens one
+    block does both (its warps take the tokens' top-k, a barrier, then the counting sort: one launch per decode
+    layer instead of two); more tokens launch the two kernels."""
+    E, K, Ex, P = int(n_experts), int(top_k), int(n_slots), int(pairs)
+    if Ex > 1024:
+        return None
+    tname = f"ninfer_moe_topk_e{E}_k{K}_{'n' if norm else 'r'}"
+    aname = f"ninfer_moe_align_s{Ex}_k{K}_p{P}"
+    name = f"ninfer_moe_route_e{E}_k{K}_{'n' if norm else 'r'}_s{Ex}_p{P}"
+    NT = align_threads(Ex)
+    tsrc = topk_source(tname, E, K, bool(norm))
+    asrc = _ATOMIC + align_source(aname, Ex, K, P)
+    src = tsrc + asrc + _src(name, f"""
+__device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ w,
+                                       int* __restrict__ order, int* __restrict__ route, int n) {{
+  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31);
+  __syncthreads();  // the block's global writes of ids are visible to it past the barrier
+  {aname}(ids, order, route, n);
+}}""")
+
+    # one input: relax's reshape-pattern check (RewriteDataflowReshape) needs a root block
+    @T.prim_func(s_tir=True)
+    def route_f(var_logits: T.handle, var_ids: T.handle, var_w: T.handle, var_order: T.handle, var_route: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        logits = T.match_buffer(var_logits, (n, E + 1), "float32")
+        ids = T.match_buffer(var_ids, (n, K + 1), "int32")
+        w = T.match_buffer(var_w, (n, K + 1), "float32")
+        order = T.match_buffer(var_order, (n * P,), "int32")
+        route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+        with T.sblock("root"):
+            if n <= ROUTE_FUSED_MAX:
+                for b in T.thread_binding(1, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(name, T.address_of(logits[0, 0]), T.address_of(ids[0, 0]),
+                                                    T.address_of(w[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), T.Cast("int32", n), source_code=src))
+            else:
+                for b in T.thread_binding((n + TOPK_WARPS - 1) // TOPK_WARPS, thread="blockIdx.x"):
+                    for tx in T.thread_binding(32 * TOPK_WARPS, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(tname, T.address_of(logits[0, 0]), T.address_of(ids[0, 0]),
+                                                    T.address_of(w[0, 0]), T.Cast("int32", n), source_code=tsrc))
+                for b in T.thread_binding(1, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(aname, T.address_of(ids[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), T.Cast("int32", n), source_code=asrc))
+
+    return _opaque(route_f, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# grouped expert GEMMs
+_NVFP4_ELEM = _src("ninfer_moe_nvfp4_elem", """
+// one NVFP4 weight element exactly as compile/kernels/dequant.py computes it (the FMA path)
+__device__ __forceinline__ float ninfer_moe_nvfp4_elem(const unsigned char* codes, const unsigned char* scales,
+                                                       float g, int k) {
+  const unsigned c = (codes[k >> 1] >> ((k & 1) * 4)) & 15u, b = scales[k >> 4];
+  const unsigned mag = c & 7u, ex = mag >> 1;
+  const float half = (float)(mag & 1u) * 0.5f;
+  float v = ex == 0u ? half : (1.f + half) * (ex == 1u ? 1.f : (ex == 2u ? 2.f : 4.f));
+  if (c & 8u) v = -v;
+  const unsigned se = (b >> 3) & 15u, sm = b & 7u;
+  const float s = se == 0u ? (float)sm * 0.001953125f : ldexpf(1.f + (float)sm * 0.125f, (int)se - 7);
+  return v * s * g;
+}""")
+
+
+def gemm_path(K: int, dtype: str, nvfp4: bool) -> str:
+    """"mma" (16-bit weights, K % 8 == 0), "nvfp4" (bf16 activations, K % 32 == 0) or "fma"."""
+    if nvfp4:
+        return "nvfp4" if dtype == "bfloat16" and K % 32 == 0 else "fma"
+    return "mma" if dtype in _MMA_T and K % 8 == 0 else "fma"
+
+
+def gemm_tiles(O: int, silu: bool, path: str) -> int:
+    OO = O // 2 if silu else O
+    if path == "fma":
+        return (OO + 31) // 32
+    return (OO + 7) // 8 if silu else (O + 15) // 16
+
+
+def gemm_threads(path: str, warps: int) -> int:
+    return 256 if path == "fma" else 32 * warps
+
+
+def _weight_decl(ct: str, nvfp4: bool) -> str:
+    if nvfp4:
+        return "const unsigned char* __restrict__ wq, const unsigned char* __restrict__ wsc, const float* __restrict__ wg"
+    return f"const {ct}* __restrict__ w"
+
+
+def _mma_pass(name: str, K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: bool, warps: int,
+              big_tiles: int, unroll: int) -> str:
+    """template <NB batch tiles, UU K steps loaded at a time> one pass of up to 8 * NB pairs of expert e."""
+    U = unroll
+    OO = O // 2 if silu else O
+    ct, t = _CT[dtype], _MMA_T[dtype]
+    NW, NBT = warps, big_tiles
+    STEP = 128 if nvfp4 else 32  # K elements per warp per step (4 lanes x 32 codes / x 8 elements)
+    xrow = f"order[s0 + col] / {P}" if silu else "s0 + col"
+    kok = "k0 < " + str(K)
+    if silu:
+        rows = (f"const int row_lo = tile * 8 + g, row_hi = {OO} + tile * 8 + g;\n"
+                f"  const bool lo_ok = tile * 8 + g < {OO}, hi_ok = lo_ok;")
+    else:
+        rows = (f"const int row_lo = tile * 16 + g, row_hi = tile * 16 + 8 + g;\n"
+                f"  const bool lo_ok = row_lo < {O}, hi_ok = row_hi < {O};")
+    if nvfp4:
+        gm = _c(2.0 ** gemv_kernels.NVFP4_SHIFT)
+        wsetup = f"""
+  const unsigned char* wlo = wq + ((long long)e * {O} + (lo_ok ? row_lo : 0)) * {K // 2};
+  const unsigned char* whi = wq + ((long long)e * {O} + (hi_ok ? row_hi : 0)) * {K // 2};
+  const unsigned short* slo = (const unsigned short*)(wsc + ((long long)e * {O} + (lo_ok ? row_lo : 0)) * {K // 16});
+  const unsigned short* shi = (const unsigned short*)(wsc + ((long long)e * {O} + (hi_ok ? row_hi : 0)) * {K // 16});
+  const float* ge = wg + (long long)e * {O};"""
+        body = f"""
+    for (int uu = 0; uu < UU; ++uu) {{
+      const int k0 = (it * {U} + sub + uu) * {STEP} + q * 32;  // 32 codes of rows lo / hi and their 2 block scales
+      const bool kok = {kok};
+      uint4 cl = make_uint4(0u, 0u, 0u, 0u), ch = make_uint4(0u, 0u, 0u, 0u);
+      unsigned sl = 0u, sh = 0u;
+      if (kok && lo_ok) {{ cl = ninfer_moe_ldw(wlo + k0 / 2); sl = slo[k0 / 32]; }}
+      if (kok && hi_ok) {{ ch = ninfer_moe_ldw(whi + k0 / 2); sh = shi[k0 / 32]; }}
+      unsigned al[16], ah[16];
+      ninfer_moe_nvfp4_dq32(al, cl.x, cl.y, cl.z, cl.w, sl);
+      ninfer_moe_nvfp4_dq32(ah, ch.x, ch.y, ch.z, ch.w, sh);
+#pragma unroll
+      for (int bt = 0; bt < NB; ++bt) {{
+        unsigned xr[16], xq[16];
+#pragma unroll
+        for (int v4 = 0; v4 < 4; ++v4) {{
+          const uint4 xv = kok && xok[bt] ? *(const uint4*)(xp[bt] + k0 + 8 * v4) : make_uint4(0u, 0u, 0u, 0u);
+          xr[4 * v4] = xv.x; xr[4 * v4 + 1] = xv.y; xr[4 * v4 + 2] = xv.z; xr[4 * v4 + 3] = xv.w;
+        }}
+#pragma unroll
+        for (int m = 0; m < 4; ++m)  // x pairs in the weights' K order: pair 4m+i = (x[8m+i], x[8m+i+4])
+#pragma unroll
+          for (int ih = 0; ih < 2; ++ih) {{
+            xq[m * 4 + ih * 2] = __byte_perm(xr[m * 4 + ih], xr[m * 4 + 2 + ih], 0x5410u);
+            xq[m * 4 + ih * 2 + 1] = __byte_perm(xr[m * 4 + ih], xr[m * 4 + 2 + ih], 0x7632u);
+          }}
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          ninfer_moe_mma_{t}(acc[bt], al[2 * j], ah[2 * j], al[2 * j + 1], ah[2 * j + 1], xq[2 * j], xq[2 * j + 1]);
+      }}
+    }}"""
+        gate_s, up_s, plain_s = (f" * (ge[row] * {gm})", f" * (ge[{OO} + row] * {gm})", f" * (ge[row] * {gm})")
+    else:
+        wsetup = f"""
+  const {ct}* wlo = w + ((long long)e * {O} + (lo_ok ? row_lo : 0)) * {K};
+  const {ct}* whi = w + ((long long)e * {O} + (hi_ok ? row_hi : 0)) * {K};"""
+        body = f"""
+    uint4 wl[UU], wh[UU], xv[NB][UU];
+#pragma unroll
+    for (int uu = 0; uu < UU; ++uu) {{  // 8 elements of weight rows lo / hi and of each batch tile's x row g
+      const int k0 = (it * {U} + sub + uu) * {STEP} + q * 8;
+      const bool kok = {kok};
+      wl[uu] = kok && lo_ok ? ninfer_moe_ldw(wlo + k0) : make_uint4(0u, 0u, 0u, 0u);
+      wh[uu] = kok && hi_ok ? ninfer_moe_ldw(whi + k0) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+      for (int bt = 0; bt < NB; ++bt)
+        xv[bt][uu] = kok && xok[bt] ? *(const uint4*)(xp[bt] + k0) : make_uint4(0u, 0u, 0u, 0u);
+    }}
+#pragma unroll
+    for (int uu = 0; uu < UU; ++uu)
+#pragma unroll
+      for (int bt = 0; bt < NB; ++bt) {{
+        ninfer_moe_mma_{t}(acc[bt], wl[uu].x, wh[uu].x, wl[uu].y, wh[uu].y, xv[bt][uu].x, xv[bt][uu].y);
+        ninfer_moe_mma_{t}(acc[bt], wl[uu].z, wh[uu].z, wl[uu].w, wh[uu].w, xv[bt][uu].z, xv[bt][uu].w);
+      }}"""
+        gate_s = up_s = plain_s = ""
+    if silu:  # entry (bt, row slot r < 8, col c): gate at fragment row r, up at row r + 8
+        epi = f"""
+  for (int ent = tid; ent < NB * 64; ent += {32 * NW}) {{
+    const int bt = ent >> 6, r = (ent >> 3) & 7, c = ent & 7, ln = r * 4 + (c >> 1);
+    float gs = 0.f, us = 0.f;
+    for (int ww = 0; ww < {NW}; ++ww) {{
+      gs += part[((ww * {NBT} + bt) * 32 + ln) * 4 + (c & 1)];
+      us += part[((ww * {NBT} + bt) * 32 + ln) * 4 + 2 + (c & 1)];
+    }}
+    const int col = c0 + bt * 8 + c, row = tile * 8 + r;
+    if (col < cnt && row < {OO}) {{
+      const float gv = (float)({ct})(gs{gate_s}), uv = (float)({ct})(us{up_s});
+      out[(long long)(s0 + col) * {OO} + row] = ({ct})(gv / (1.f + expf(-gv)) * uv);
+    }}
+  }}"""
+    else:  # entry (bt, row r < 16, col c) at fragment lane (r % 8, c / 2), register (r / 8) * 2 + c % 2
+        epi = f"""
+  for (int ent = tid; ent < NB * 128; ent += {32 * NW}) {{
+    const int bt = ent >> 7, r = (ent >> 3) & 15, c = ent & 7, ln = (r & 7) * 4 + (c >> 1);
+    float v = 0.f;
+    for (int ww = 0; ww < {NW}; ++ww) v += part[((ww * {NBT} + bt) * 32 + ln) * 4 + (r >> 3) * 2 + (c & 1)];
+    const int col = c0 + bt * 8 + c, row = tile * 16 + r;
+    if (col < cnt && row < {O}) out[(long long)order[s0 + col] * {O} + row] = ({ct})(v{plain_s});
+  }}"""
+    return f"""
+template <int NB, int UU>
+__device__ __forceinline__ void {name}_pass(const {ct}* __restrict__ x, const int* __restrict__ order,
+    {_weight_decl(ct, nvfp4)}, {ct}* __restrict__ out, const int e, const int s0, const int cnt, const int c0,
+    float* part) {{
+  // K chunks of {U} steps; warp w takes chunks w, w + {NW}, ..., loading UU steps at a time: every pass width splits
+  // and orders the K sums the same way
+  constexpr int ITS = ({K} + {STEP * U - 1}) / {STEP * U};
+  const int tile = blockIdx.x, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  {rows}{wsetup}
+  const {ct}* xp[NB];
+  bool xok[NB];
+#pragma unroll
+  for (int bt = 0; bt < NB; ++bt) {{  // B column g of batch tile bt: the pair at position s0 + col
+    const int col = c0 + bt * 8 + g;
+    xok[bt] = col < cnt;
+    xp[bt] = x + (long long)(xok[bt] ? {xrow} : 0) * {K};
+  }}
+  float acc[NB][4];
+#pragma unroll
+  for (int bt = 0; bt < NB; ++bt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[bt][i] = 0.f;
+  for (int it = warp; it < ITS; it += {NW})
+#pragma unroll
+    for (int sub = 0; sub < {U}; sub += UU) {{{body}
+    }}
+#pragma unroll
+  for (int bt = 0; bt < NB; ++bt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) part[((warp * {NBT} + bt) * 32 + lane) * 4 + i] = acc[bt][i];
+  __syncthreads();{epi}
+  __syncthreads();
+}}"""
+
+
+def _fma_body(K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: bool) -> str:
+    """FMA path: thread (row r = tid / 8, column c = tid % 8) of a 32-row tile, passes of 8 pairs."""
+    OO = O // 2 if silu else O
+    ct = _CT[dtype]
+    xrow = f"order[s0 + col] / {P}" if silu else "s0 + col"
+    orow = "s0 + col" if silu else "order[s0 + col]"
+    if nvfp4:
+        def wv(row):
+            return (f"(float)({ct})ninfer_moe_nvfp4_elem(wq + ((long long)e * {O} + {row}) * {K // 2}, "
+                    f"wsc + ((long long)e * {O} + {row}) * {K // 16}, wg[(long long)e * {O} + {row}], k)")
+    else:
+        def wv(row):
+            return f"(float)w[((long long)e * {O} + {row}) * {K} + k]"
+    if silu:
+        dot = f"""
+      float a = 0.f, b = 0.f;
+      for (int k = 0; k < {K}; ++k) {{
+        const float xv = (float)xr[k];
+        a += {wv("row")} * xv;
+        b += {wv(f"({OO} + row)")} * xv;
+      }}
+      const float gv = (float)({ct})a, uv = (float)({ct})b;
+      out[(long long)({orow}) * {OO} + row] = ({ct})(gv / (1.f + expf(-gv)) * uv);"""
+    else:
+        dot = f"""
+      float a = 0.f;
+      for (int k = 0; k < {K}; ++k) a += {wv("row")} * (float)xr[k];
+      out[(long long)({orow}) * {OO} + row] = ({ct})a;"""
+    return f"""
+  const int tile = blockIdx.x, r = threadIdx.x >> 3, c = threadIdx.x & 7;
+  const int row = tile * 32 + r;
+  if (row >= {OO}) return;
+  for (int c0 = 0; c0 < cnt; c0 += 8) {{
+    const int col = c0 + c;
+    if (col < cnt) {{
+      const {ct}* xr = x + (long long)({xrow}) * {K};{dot}
+    }}
+  }}"""
+
+
+def gemm_source(name: str, K: int, O: int, Ex: int, P: int, dtype: str, silu: bool, nvfp4: bool, *, warps: int,
+                unroll: int, big_tiles: int) -> str:
+    """CUDA of the grouped expert GEMM `name`(x, order, route, weights, out) (module docstring)."""
+    path = gemm_path(K, dtype, nvfp4)
+    ct = _CT[dtype]
+    wargs = "wq, wsc, wg" if nvfp4 else "w"
+    head = f"""
+__device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const int* __restrict__ order,
+    const int* __restrict__ route, {_weight_decl(ct, nvfp4)}, {ct}* __restrict__ out) {{
+  const int u = blockIdx.y;
+  if (u >= route[{Ex + 1}]) return;  // the whole block: fewer experts selected than launched
+  const int e = route[{Ex + 2} + u];
+  const int s0 = route[e], cnt = route[e + 1] - s0;"""
+    if path == "fma":
+        return (_NVFP4_ELEM if nvfp4 else "") + _src(name, head + _fma_body(K, O, P, dtype, silu, nvfp4) + "\n}")
+    main = head + f"""
+  __shared__ float part[{warps * big_tiles * 128}];
+  for (int c0 = 0; c0 < cnt; ) {{  // passes of 8 pairs, or {8 * big_tiles} while more than 8 are left
+    if (cnt - c0 <= 8) {{
+      {name}_pass<1, {unroll}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
+      c0 += 8;
+    }} else {{
+      {name}_pass<{big_tiles}, {max(1, unroll // 2)}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
+      c0 += {8 * big_tiles};
+    }}
+  }}
+}}"""
+    helpers = _mma_helper(_MMA_T[dtype]) + _LDW + ((_BF16X2 + _DQ32) if nvfp4 else "")
+    return helpers + _src(name, _mma_pass(name, K, O, P, dtype, silu, nvfp4, warps, big_tiles, unroll) + main)
+
+
+def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: bool, run):
+    """prim_func(x[rows, K], order[n*P], route, weights..., out[n*P, OO]); rows = n (gate_up) or n*P (down)
+    is the first buffer's extent, so both kinds share one signature: x rows are given as `xr`."""
+    if nvfp4:
+        @T.prim_func
+        def f(var_x: T.handle, var_order: T.handle, var_route: T.handle, var_wq: T.handle, var_wsc: T.handle,
+              var_wg: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            npairs = T.int64()
+            xr = T.int64()
+            x = T.match_buffer(var_x, (xr, K), dtype)
+            order = T.match_buffer(var_order, (npairs,), "int32")
+            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+            wq = T.match_buffer(var_wq, (Ex, O, K // 2), "uint8")
+            wsc = T.match_buffer(var_wsc, (Ex, O, K // 16), "uint8")
+            wg = T.match_buffer(var_wg, (Ex, O), "float32")
+            out = T.match_buffer(var_out, (npairs, OO), dtype)
+            run(npairs, x, order, route, [T.address_of(wq[0, 0, 0]), T.address_of(wsc[0, 0, 0]),
+                                          T.address_of(wg[0, 0])], out, wq)
+    else:
+        @T.prim_func
+        def f(var_x: T.handle, var_order: T.handle, var_route: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            npairs = T.int64()
+            xr = T.int64()
+            x = T.match_buffer(var_x, (xr, K), dtype)
+            order = T.match_buffer(var_order, (npairs,), "int32")
+            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+            w = T.match_buffer(var_w, (Ex, O, K), dtype)
+            out = T.match_buffer(var_out, (npairs, OO), dtype)
+            run(npairs, x, order, route, [T.address_of(w[0, 0, 0])], out, w)
+    return f
+
+
+@lru_cache(maxsize=None)
+def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str, weight_format: str | None, *,
+                warps: int = 4, unroll: int = 4, big_tiles: int = 4,
+                wgmma: tuple | None = None):
+    """moe_gate_up (kind "gate_up": x [n, K], weights [Ex, O = 2I, K], out h [n*P, O/2]) or moe_down (kind "down":
+    x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies.
+    wgmma: (bn, stages, rows_per_expert) on sm_90: calls with at least rows_per_expert pairs per expert slot on
+    average launch moe_sm90's grouped wgmma kernel instead (16-bit weights): its 128-row tiles pay off once the
+    groups are large (prefill chunks of thousands of tokens), the mma.sync passes read each weight once below."""
+    silu = kind == "gate_up"
+    nvfp4 = weight_format == "nvfp4"
+    if weight_format not in (None, "nvfp4") or dtype not in _CT or (silu and O % 2) or (nvfp4 and K % 16):
+        return None
+    Ex, P = int(n_slots), int(pairs)
+    path = gemm_path(K, dtype, nvfp4)
+    OO = O // 2 if silu else O
+    tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
+                  f"{big_tiles}")
+    name = f"ninfer_moe_{tag}"
+    if path == "nvfp4":  # unroll counts 128-element K steps there
+        unroll = max(1, unroll // 2)
+    src = gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=big_tiles)
+    TILES = gemm_tiles(O, silu, path)
+    NT = gemm_threads(path, warps)
+
+    @T.macro
+    def small(npairs, x, order, route, wptrs, out):
+        for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+            for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                    T.evaluate(T.cuda.func_call(name, T.address_of(x[0, 0]), T.address_of(order[0]),
+                                                T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
+                                                source_code=src))
+
+    if wgmma is not None and path == "mma" and moe_sm90.applies(K, O, dtype, silu, wgmma[0], wgmma[1]):
+        bn, stages, per_expert = wgmma
+        min_pairs = per_expert * Ex
+        big = moe_sm90.grouped_launch(name + "_wgmma", K, O, Ex, P, dtype, silu, bn=bn, stages=stages)
+
+        @T.macro
+        def run(npairs, x, order, route, wptrs, out, w):
+            if npairs >= min_pairs:
+                big(npairs, x, order, route, w, out)
+            else:
+                small(npairs, x, order, route, wptrs, out)
+    else:
+        @T.macro
+        def run(npairs, x, order, route, wptrs, out, w):
+            small(npairs, x, order, route, wptrs, out)
+
+    return _opaque(_expert_entry(K, O, OO, Ex, P, dtype, nvfp4, run), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# combine
+def combine_source(name: str, D: int, K: int, P: int, dtype: str, residual: bool, shared: bool) -> str:
+    ct = _CT[dtype]
+    acc = "s" if not shared else f"(float)({ct})s + (float)({ct})(w[t * {K + 1} + {K}] * (float)sh[i])"
+    val = f"(float)({ct})s" if not shared else f"(float)({ct})({acc})"
+    out = f"({ct})((float)res[i] + {val})" if residual else f"({ct})({val})"
+    return _src(name, f"""
+// out[t, d] = res + round(sum_j w[t, j] * y[t*{P} + j, d]){" + round(w[t, K] * shared)" if shared else ""}
+__device__ __forceinline__ void {name}(const {ct}* __restrict__ y, const float* __restrict__ w,
+    const {ct}* __restrict__ res, const {ct}* __restrict__ sh, {ct}* __restrict__ out, int n) {{
+  const long long i = (long long)blockIdx.x * {COMBINE_THREADS} + threadIdx.x;
+  if (i >= (long long)n * {D}) return;
+  const int t = (int)(i / {D}), d = (int)(i % {D});
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < {P}; ++j) s += w[t * {K + 1} + j] * (float)y[((long long)t * {P} + j) * {D} + d];
+  out[i] = {out};
+}}""")
+
+
+@lru_cache(maxsize=None)
+def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool, shared: bool):
+    """prim_func(y[n*P, D], w[n, K+1][, res[n, D]][, shared[n, D]], out[n, D])."""
+    D, K, P = int(hidden), int(top_k), int(pairs)
+    tag = f"d{D}_k{K}_p{P}_{_MMA_T.get(dtype, 'f32')}{'_res' if residual else ''}{'_sh' if shared else ''}"
+    name = f"ninfer_moe_combine_{tag}"
+    src = combine_source(name, D, K, P, dtype, residual, shared)
+    NT = COMBINE_THREADS
+
+    @T.macro
+    def run(n, y, w, rp, sp, out):
+        for b in T.thread_binding((n * D + NT - 1) // NT, thread="blockIdx.x"):
+            for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                T.evaluate(T.cuda.func_call(name, T.address_of(y[0, 0]), T.address_of(w[0, 0]), rp, sp,
+                                            T.address_of(out[0, 0]), T.Cast("int32", n), source_code=src))
+
+    if residual and shared:
+        @T.prim_func
+        def f(var_y: T.handle, var_w: T.handle, var_res: T.handle, var_sh: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            w = T.match_buffer(var_w, (n, K + 1), "float32")  # binds n before y's n * P
+            y = T.match_buffer(var_y, (n * P, D), dtype)
+            res = T.match_buffer(var_res, (n, D), dtype)
+            sh = T.match_buffer(var_sh, (n, D), dtype)
+            out = T.match_buffer(var_out, (n, D), dtype)
+            run(n, y, w, T.address_of(res[0, 0]), T.address_of(sh[0, 0]), out)
+    elif residual:
+        @T.prim_func
+        def f(var_y: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            w = T.match_buffer(var_w, (n, K + 1), "float32")  # binds n before y's n * P
+            y = T.match_buffer(var_y, (n * P, D), dtype)
+            res = T.match_buffer(var_res, (n, D), dtype)
+            out = T.match_buffer(var_out, (n, D), dtype)
+            run(n, y, w, T.address_of(res[0, 0]), T.address_of(res[0, 0]), out)
+    elif shared:
+        @T.prim_func
+        def f(var_y: T.handle, var_w: T.handle, var_sh: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            w = T.match_buffer(var_w, (n, K + 1), "float32")  # binds n before y's n * P
+            y = T.match_buffer(var_y, (n * P, D), dtype)
+            sh = T.match_buffer(var_sh, (n, D), dtype)
+            out = T.match_buffer(var_out, (n, D), dtype)
+            run(n, y, w, T.address_of(sh[0, 0]), T.address_of(sh[0, 0]), out)
+    else:
+        @T.prim_func
+        def f(var_y: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            w = T.match_buffer(var_w, (n, K + 1), "float32")  # binds n before y's n * P
+            y = T.match_buffer(var_y, (n * P, D), dtype)
+            out = T.match_buffer(var_out, (n, D), dtype)
+            run(n, y, w, T.address_of(y[0, 0]), T.address_of(y[0, 0]), out)
+    return _opaque(f, name)
+
+
+__all__ = ["expert_gemm", "gemm_path", "moe_combine", "moe_route", "route_len"]

@@ -1,0 +1,270 @@
+"""The CUDA MoE kernels (compile/kernels/cuda/moe.py) as generated CUDA on the CPU emulator of
+bench/attn_gpu_check.py, against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
+the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core, NVFP4 in-register dequantization and FMA
+paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders) and the combine; plus the wiring of the
+MoE block on CUDA and a compile check of the 35B-A3B shapes for sm_90 / sm_120."""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+emu = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+
+
+def _np_dt(dtype):
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}.get(dtype, np.float32)
+
+
+def _llvm(funcs: dict):
+    import tvm
+
+    return tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target="llvm")
+
+
+def _run_llvm(lib, name, *arrays):
+    import tvm
+
+    dev = tvm.cpu()
+    ts = [tvm.runtime.tensor(np.ascontiguousarray(a), dev) for a in arrays]
+    lib[name](*ts)
+    return [t.numpy() for t in ts]
+
+
+def _quantized_experts(rng, ex, out_f, in_f):
+    """NVFP4 buffers of `ex` random experts (each matrix quantized on its own, rows scales per row)."""
+    from ninfer_mlc.compile.weight_quant import quantize_weight
+
+    qs = [quantize_weight((rng.standard_normal((out_f, in_f)) * 0.3).astype(np.float32)) for _ in range(ex)]
+    codes = np.stack([q["weight"] for q in qs])
+    scales = np.stack([q["weight_scale"] for q in qs])
+    scales[0, 0, 0] = 0  # a zero block scale and an E4M3 subnormal one
+    scales[-1, 1, 0] = 3
+    gs = np.stack([np.full(out_f, q["weight_scale_2"][0], np.float32) for q in qs])
+    return [codes, scales, gs]
+
+
+# (name, E, K, D, I, shared I (None: folded), dtype, weight format, n tokens)
+CASES = [
+    ("bf16_decode", 8, 2, 64, 32, None, "bfloat16", None, 5),
+    ("bf16_prefill_big_passes", 8, 2, 64, 32, None, "bfloat16", None, 70),  # > ROUTE_FUSED_MAX: 2 route launches
+    ("bf16_k_row_remainders", 6, 3, 72, 20, 48, "bfloat16", None, 9),  # K % 128, rows % 16 / % 8, down K % 8 -> fma
+    ("bf16_down_rows", 8, 2, 72, 24, None, "bfloat16", None, 12),  # down rows % 16, K % 128 on the mma path
+    ("f16_mma", 8, 4, 64, 24, None, "float16", None, 7),
+    ("f32_fma", 8, 2, 40, 24, 16, "float32", None, 11),
+    ("nvfp4_decode", 8, 2, 64, 32, None, "bfloat16", "nvfp4", 4),
+    ("nvfp4_prefill", 8, 2, 64, 32, None, "bfloat16", "nvfp4", 50),
+    ("nvfp4_fma_down", 8, 2, 64, 48, 16, "bfloat16", "nvfp4", 6),  # down K = 48 % 32 != 0
+]
+
+
+def _case_funcs(case) -> dict:
+    """The CUDA prim_funcs of a case, named <case>__<role>."""
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+
+    name, E, K, D, I, shared, dtype, fmt, _ = case
+    fold = shared is None
+    Ex, P = E + fold, K + fold
+    gemm = dict(warps=2, unroll=2, big_tiles=2) if name == "bf16_prefill_big_passes" else {}
+    funcs = {"route": M.moe_route(E, K, E != 6, Ex, P),
+             "gu": M.expert_gemm("gate_up", D, 2 * I, Ex, P, dtype, fmt, **gemm),
+             "dn": M.expert_gemm("down", I, D, Ex, P, dtype, fmt, **gemm),
+             "comb": M.moe_combine(D, K, P, dtype, True, not fold), "bare": M.moe_combine(D, K, P, dtype, False, False)}
+    return {f"{name}__{k}": f.with_attr("global_symbol", f"{name}__{k}") for k, f in funcs.items()}
+
+
+@pytest.fixture(scope="module")
+def emu_lib(tmp_path_factory):
+    """Every case's kernels in one emulator build (one g++ run)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import attn_gpu_check as C
+
+    funcs = {}
+    for case in CASES:
+        funcs.update(_case_funcs(case))
+    return C.EmuLib(funcs, workdir=tmp_path_factory.mktemp("moe_emu"))
+
+
+@emu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_moe_kernels_on_cpu_emulator_match_llvm(case, emu_lib):
+    from ninfer_mlc.compile.kernels import moe as L
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+
+    _, E, K, D, I, shared, dtype, fmt, n = case
+    fold = shared is None
+    Ex, P = E + fold, K + fold
+    dt = _np_dt(dtype)
+    rng = np.random.default_rng(len(case[0]))
+    logits = rng.standard_normal((n, E + 1)).astype(np.float32)
+    logits[:3, :E] = rng.integers(0, 2, (3, E))  # exact ties
+    x = rng.standard_normal((n, D)).astype(dt)
+    res = rng.standard_normal((n, D)).astype(dt)
+    if fmt == "nvfp4":
+        gu, dn = _quantized_experts(rng, Ex, 2 * I, D), _quantized_experts(rng, Ex, D, I)
+    else:
+        gu, dn = [(rng.standard_normal((Ex, 2 * I, D)) * 0.3).astype(dt)], [(rng.standard_normal((Ex, D, I)) * 0.3)
+                                                                           .astype(dt)]
+    norm = E != 6
+    lib = _llvm({"topk": L.moe_topk(E, K, norm), "experts": L.moe_experts(D, I, Ex, K, P, dtype, fmt)})
+    _, ids_ref, w_ref = _run_llvm(lib, "topk", logits, np.zeros((n, K + 1), np.int32), np.zeros((n, K + 1), np.float32))
+    want = _run_llvm(lib, "experts", x, ids_ref, w_ref, *gu, *dn, np.zeros((n, D), dt))[-1].astype(np.float32)
+
+    name = case[0]
+
+    def lib(role, arrays, scalars):
+        return emu_lib(f"{name}__{role}", arrays, scalars)
+
+    lib.launches = {k.split("__")[1]: v for k, v in emu_lib.launches.items() if k.startswith(name + "__")}
+    ids, w = np.full((n, K + 1), -1, np.int32), np.full((n, K + 1), np.nan, np.float32)
+    order, route = np.full(n * P, -1, np.int32), np.full(M.route_len(Ex), -1, np.int32)
+    lib("route", dict(logits=logits, ids=ids, w=w, order=order, route=route), dict(n=n))
+    assert len(lib.launches["route"]) == 3  # one block up to ROUTE_FUSED_MAX tokens, else top-k then align
+    np.testing.assert_array_equal(ids, ids_ref)
+    np.testing.assert_allclose(w, w_ref, rtol=1e-6, atol=1e-7)
+
+    flat = ids[:, :P].reshape(-1)
+    assert sorted(order.tolist()) == list(range(n * P))
+    counts = np.bincount(flat, minlength=Ex)
+    np.testing.assert_array_equal(route[:Ex + 1], np.concatenate([[0], np.cumsum(counts)]))
+    used = np.flatnonzero(counts)
+    assert route[Ex + 1] == len(used) and route[Ex + 2:Ex + 2 + len(used)].tolist() == used.tolist()
+    for e in used:  # every pair sits in its expert's range
+        assert set(flat[order[route[e]:route[e + 1]]].tolist()) == {e}
+    tiles = -(-counts[used] // M.TILE_ROWS)  # row tiles of the wgmma launch before each used expert, then the total
+    assert route[2 * Ex + 2:2 * Ex + 3 + len(used)].tolist() == [0] + np.cumsum(tiles).tolist()
+
+    h = np.full((n * P, I), np.nan, np.float32).astype(dt)
+    y = np.full((n * P, D), np.nan, np.float32).astype(dt)
+    gw = dict(zip(("wq", "wsc", "wg") if fmt else ("w",), gu))
+    dw = dict(zip(("wq", "wsc", "wg") if fmt else ("w",), dn))
+    lib("gu", dict(x=x, order=order, route=route, out=h, **gw), dict(npairs=n * P, xr=n))
+    lib("dn", dict(x=h, order=order, route=route, out=y, **dw), dict(npairs=n * P, xr=n * P))
+    assert np.isfinite(y.astype(np.float32)).all()
+    if "prefill" in case[0]:  # another order inside the groups (atomics): the same bits for every pair
+        order2 = order.copy()
+        for e in used:
+            order2[route[e]:route[e + 1]] = np.random.default_rng(e).permutation(order[route[e]:route[e + 1]])
+        h2, y2 = np.zeros_like(h), np.zeros_like(y)
+        lib("gu", dict(x=x, order=order2, route=route, out=h2, **gw), dict(npairs=n * P, xr=n))
+        lib("dn", dict(x=h2, order=order2, route=route, out=y2, **dw), dict(npairs=n * P, xr=n * P))
+        assert np.array_equal(y2.view(np.uint16), y.view(np.uint16))
+    bare = np.zeros((n, D), dt)
+    lib("bare", dict(y=y, w=w, out=bare), dict(n=n))
+    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16 / f16: a rounding step of h or y may flip
+    scale = np.abs(want).max()
+    assert np.abs(bare.astype(np.float32) - want).max() / scale < tol
+
+    # the combine: residual (+ the unfolded shared expert's output, weighted by its gate)
+    sh = rng.standard_normal((n, D)).astype(dt) if not fold else None
+    out = np.zeros((n, D), dt)
+    lib("comb", dict(y=y, w=w, res=res, out=out, **({"sh": sh} if sh is not None else {})), dict(n=n))
+    v = bare.astype(np.float32)
+    if sh is not None:
+        v = (v + (w[:, K:] * sh.astype(np.float32)).astype(dt).astype(np.float32)).astype(dt).astype(np.float32)
+    np.testing.assert_array_equal(out.astype(np.float32), (res.astype(np.float32) + v).astype(dt).astype(np.float32))
+
+
+def test_moe_block_uses_the_cuda_kernels():
+    """On CUDA the MoE block runs top-k, align, the grouped GEMMs and the combine (the residual fused where the
+    model fuses it, the router through the decode GEMV or the sm_90 prefill GEMM with fp32 logits), never the
+    llvm set's per-token kernel."""
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.model import Qwen3xForCausalLM
+    from ninfer_mlc.compile.targets import parse_target
+
+    raw = {"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 320,
+           "hidden_size": 64, "num_hidden_layers": 2, "full_attention_interval": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2,
+           "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 32, "mtp_num_hidden_layers": 1}
+    cfg = parse_config(raw)
+    with parse_target("cuda:sm_90").tvm_target():
+        m = Qwen3xForCausalLM(cfg, "bfloat16", "cuda", None, mtp=True)
+    mod = m.export_tvm(spec=m.export_spec())[0]
+    for fn in ("decode", "prefill", "verify", "mtp_step", "mtp_step_sl"):
+        calls = re.findall(r"call_tir\((?:cls\.)?(\w+)", mod[fn].script())
+        for k in ("moe_route", "moe_gate_up", "moe_down", "moe_combine"):
+            assert sum(c.startswith(k) for c in calls) == (1 if fn.startswith("mtp") else 2), (fn, k)
+        combine = [c for c in calls if c.startswith("moe_combine")]
+        assert all(c.endswith("_res") for c in combine) == (fn != "mtp_step_sl"), (fn, combine)
+        if fn in ("decode", "verify", "mtp_step"):
+            assert any(c.startswith("gemv_") and c.endswith("x9_bf16_f32") for c in calls), (fn, calls)  # router
+        if fn == "prefill":
+            assert any(c.startswith("gemm_") and c.endswith("x9_bf16_f32") for c in calls), (fn, calls)
+    assert "moe_experts" not in mod.script()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
+def test_moe_35b_kernels_compile(tmp_path, arch):
+    """The Qwen3.5-35B-A3B MoE shapes (256 experts + the shared one, top-8, hidden 2048, experts 512), bf16 and
+    NVFP4, compile to a fatbin; on sm_90 without register spills."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    E, K, D, I = 256, 8, 2048, 512
+    funcs = {"route": M.moe_route(E, K, True, E + 1, K + 1), "comb": M.moe_combine(D, K, K + 1, "bfloat16", True, False)}
+    for fmt in (None, "nvfp4"):
+        funcs[f"gu_{fmt}"] = M.expert_gemm("gate_up", D, 2 * I, E + 1, K + 1, "bfloat16", fmt)
+        funcs[f"dn_{fmt}"] = M.expert_gemm("down", I, D, E + 1, K + 1, "bfloat16", fmt)
+    funcs = {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
+    tgt = parse_target("cuda:" + arch).tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
+    ex.export_library(str(tmp_path / "m.so"))
+    assert b"\x50\xed\x55\xba" in (tmp_path / "m.so").read_bytes()
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16" in src and "ninfer_moe_nvfp4_dq32" in src
+    if arch == "sm_90":
+        (tmp_path / "m.cu").write_text(src)
+        r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                            str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")],
+                           capture_output=True, text=True, check=True)
+        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+        assert spills and set(spills) == {"0"}, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
+    """sm_90: the 35B-A3B gate_up / down with large groups launch the grouped wgmma kernel (gemm_sm90's tile:
+    128 accumulators in registers, no stack, no spills, no wgmma serialization) next to the mma.sync passes."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.kernels.cuda import registry
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    tgt = parse_target("cuda:sm_90").tvm_target()
+    with tgt:
+        ks = registry.kernel_set()
+    funcs = {"gu": ks.moe_gate_up(2048, 512, 257, 9, "bfloat16"), "dn": ks.moe_down(2048, 512, 257, 9, "bfloat16")}
+    for f in funcs.values():
+        assert "if npairs >= T.int64(12336)" in f.script()  # 48 pairs per expert slot on average
+    with parse_target("cuda:sm_120").tvm_target():
+        assert "wgmma" not in registry.kernel_set().moe_gate_up(2048, 512, 257, 9, "bfloat16").script()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=tgt)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    assert src.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2
+    (tmp_path / "m.cu").write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                        str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")], capture_output=True, text=True,
+                       check=True)
+    assert "C7514" not in r.stderr and "C7510" not in r.stderr, r.stderr
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
+    assert len(frames) == 4 and all(s == "0" for _, s in frames), r.stderr
+    wg = re.findall(r"Function properties for (\w+_kernel(?:_\d)?)\n\s+(\d+) bytes stack frame", r.stderr)
+    assert wg and all(fr == "0" for _, fr in wg), r.stderr
