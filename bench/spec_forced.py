@@ -50,6 +50,7 @@ PROFILES = [("none", "none", 0, None), ("mtp3@3.18", "mtp", 3, 3.18), ("mtp3@3.4
 def prep_forced(out: Path, arch: str, quant: str, max_context: int, log=print) -> None:
     """Build OUT/q27b-taps and OUT/dflash2-27b (random weights: only config.json and the tokenizer go in)."""
     import gpu_bench
+    from wide_tokenizer import widen
 
     from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.compile.tiny_default import generate
@@ -60,9 +61,13 @@ def prep_forced(out: Path, arch: str, quant: str, max_context: int, log=print) -
         tgt, drf = tmp / "q27b", tmp / "dflash2"
         tgt.mkdir()
         drf.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        for f in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
             if (tiny / f).is_file():
                 shutil.copy2(tiny / f, tgt / f)
+        # widened to the full vocabulary (bench/wide_tokenizer.py): the engine samples, and the DFlash2 selector
+        # takes its top-K, over the ids the tokenizer can produce; 2,000 would hide those costs
+        wide = widen(json.loads((tiny / "tokenizer.json").read_text()), gpu_bench.Q27B["vocab_size"])
+        (tgt / "tokenizer.json").write_text(json.dumps(wide, ensure_ascii=False))
         (tgt / "config.json").write_text(json.dumps(dict(gpu_bench.Q27B, mtp_num_hidden_layers=1)))
         (drf / "config.json").write_text(json.dumps(QWEN38_DFLASH2))
         t0 = time.time()
