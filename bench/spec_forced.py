@@ -136,7 +136,10 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
     from ninfer_mlc.runtime.spec.dflash_runner import attach_paged_pool
 
     t0 = time.time()
-    base = open_engine(target_dir, replace(cfg, spec="none", draft_model=None, draft_tokens=1), start=False)
+    # opened as a speculative engine (MTP: no drafter to load) so the runner has its slot count: one
+    # pre-verification snapshot slot per lane; with only the plain engine's slots no row of a full batch
+    # could take a snapshot, and full batches would never draft
+    base = open_engine(target_dir, replace(cfg, spec="mtp", draft_model=None, draft_tokens=3), start=False)
     runner, kv, tok = base.runner, base.kv, base.tok
     del base
     attach_paged_pool(runner, drafter_dir)  # the drafter's paged layers on the target's page ids
