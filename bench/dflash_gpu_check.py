@@ -12,7 +12,9 @@ through the engine with and without the drafters.
           (pass: f32 < 1e-3, bf16 < 6e-2 with top-1 >= 0.8);
       (b) the f32 build through the engine, greedy, 4 prompts x 32 tokens, batch 4 and batch 1 chunked:
           --spec dflash / dflash2 outputs identical to no speculation (the drafts are random: acceptance is
-          low; identity and the stats counters are what is checked).
+          low; identity and the stats counters are what is checked), and every round's drafts identical with
+          the target's verify_t replayed as CUDA graphs and run eagerly (a replay rewrites the tap rows the
+          drafter has not read yet unless the proposer consumes them first).
 Prints one line per check and PASS / FAIL; exit status 0 when everything passes.
 """
 from __future__ import annotations
@@ -96,7 +98,9 @@ def cmd_prep(a) -> int:
     return 0
 
 
-def _engine_outputs(target: Path, spec: str, drafter: Path | None, k: int, concurrency: int, chunk: int):
+def _engine_outputs(target: Path, spec: str, drafter: Path | None, k: int, concurrency: int, chunk: int,
+                    cuda_graphs: bool = True):
+    """(greedy outputs, spec counters, every round's drafts per request) of the 4 prompts."""
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
     from ninfer_mlc.runtime.engine import GenRequest
@@ -104,13 +108,26 @@ def _engine_outputs(target: Path, spec: str, drafter: Path | None, k: int, concu
 
     prompts = [_ids(n, seed=20 + n) for n in (30, 45, 37, 52)]
     o = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=1024, host_kv_mib=0,
-                     prefill_chunk=chunk, spec=spec, draft_tokens=k, draft_model=str(drafter) if drafter else None)
+                     prefill_chunk=chunk, spec=spec, draft_tokens=k, draft_model=str(drafter) if drafter else None,
+                     cuda_graphs=cuda_graphs)
     eng = open_engine(target, o)
+    drafts: dict = {}
+    if eng.spec is not None:  # record the drafts: they show the drafter's context (replays must not change it)
+        prop = eng.spec.proposer
+        propose = prop.propose
+
+        def spy(items, choose):
+            got = propose(items, choose)
+            for (req, _, _), d in zip(items, got):
+                drafts.setdefault(req.rid, []).append(list(d))
+            return got
+
+        prop.propose = spy
     try:
         hs = [eng.submit(GenRequest(p, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=True)))
               for p in prompts]
         outs = [[t for ev in h.iter_sync(timeout=600) if hasattr(ev, "token_ids") for t in ev.token_ids] for h in hs]
-        return outs, eng.stats().spec
+        return outs, eng.stats().spec, [drafts.get(h.id, []) for h in hs]
     finally:
         eng.stop()
 
@@ -142,15 +159,18 @@ def cmd_run(a) -> int:
             print(f"logits {kind} {q}: {'PASS' if passed else 'FAIL'} {json.dumps(row)}", flush=True)
     target = out / "target-f32"
     for conc, chunk in ((4, 512), (1, 16)):
-        base, _ = _engine_outputs(target, "none", None, 1, conc, chunk)
+        base = _engine_outputs(target, "none", None, 1, conc, chunk)[0]
         for kind, k in (("dflash", 3), ("dflash2", 7)):
             t1 = time.time()
             try:
-                outs, sp = _engine_outputs(target, kind, out / f"{kind}-f32", k, conc, chunk)
-                passed = outs == base and sp.draft_tokens > 0
+                outs, sp, drafts = _engine_outputs(target, kind, out / f"{kind}-f32", k, conc, chunk)
+                eager_drafts = _engine_outputs(target, kind, out / f"{kind}-f32", k, conc, chunk, cuda_graphs=False)[2]
+                same = drafts == eager_drafts  # verify_t replayed as CUDA graphs: the drafter saw the same context
+                passed = outs == base and sp.draft_tokens > 0 and same
                 row = {"spec": kind, "k": k, "concurrency": conc, "prefill_chunk": chunk, "identical": outs == base,
-                       "draft_n": sp.draft_tokens, "accepted": sp.accepted_tokens, "rounds": sp.rounds,
-                       "tokens_per_round": sp.tokens_per_round, "seconds": round(time.time() - t1, 2), "pass": passed}
+                       "drafts_graphs_vs_eager_identical": same, "draft_n": sp.draft_tokens,
+                       "accepted": sp.accepted_tokens, "rounds": sp.rounds, "tokens_per_round": sp.tokens_per_round,
+                       "seconds": round(time.time() - t1, 2), "pass": passed}
             except Exception as e:  # noqa: BLE001
                 row, passed = {"spec": kind, "error": repr(e)[:600], "pass": False}, False
             ok &= passed
