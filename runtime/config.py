@@ -51,7 +51,10 @@ class EngineConfig:
                             off_help="no prefix caching, turn checkpoints or host tier")
     device_state_slots: Optional[int] = _f(None, "device state slots for cached checkpoints beyond the active "
                                                  "lanes (default: max-concurrency)", metavar="N")
-    host_kv_mib: float = _f(1024.0, "ceiling of the host tier (pinned KV pages + state slots), MiB; 0 = no host tier")
+    host_kv_mib: Optional[float] = _f(None, "ceiling of the host tier (pinned KV pages + state slots), MiB; "
+                                            "0 = no host tier", metavar="MIB",
+                                      default_text="a quarter of the RAM available at start on CUDA (at least the "
+                                                   "host state slots + 1 GiB), 1024 on the CPU")
     host_state_slots: int = _f(8, "host state slots kept as a floor", metavar="N")
     host_ram_reserve_mib: float = _f(2048.0, "RAM that host-tier growth must leave free, MiB")
     max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)", metavar="N")
@@ -96,7 +99,10 @@ class EngineConfig:
         if self.device_state_slots is not None:
             need(integer("device_state_slots") >= 0, "device_state_slots", "must be >= 0")
         for name in ("host_kv_mib", "host_ram_reserve_mib"):
-            need(float(getattr(self, name)) >= 0, name, "must be >= 0")
+            v = getattr(self, name)
+            if v is not None:
+                need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
+                     f"must be a number >= 0, got {v!r}")
         need(integer("host_state_slots") >= 0, "host_state_slots", "must be >= 0")
         need(integer("max_cache_entries") >= 1, "max_cache_entries", "must be >= 1")
         self._validate_spec()
