@@ -5,6 +5,7 @@ This is the one place that knows how the pieces are sized from an EngineConfig.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -61,6 +62,8 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
                 start: bool = True) -> Engine:
     cfg = (cfg or EngineConfig()).validate()
     runner = ModelRunner(art_dir, device=cfg.device)
+    if cfg.prefill_chunk is None:  # H200, 27B, 8k prompt: 7.6k tok/s at 512-token chunks, 9.4k at 8192
+        cfg = replace(cfg, prefill_chunk=2048 if runner.device_kind == "cuda" else 512)
     m = runner.manifest
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)

@@ -43,8 +43,9 @@ class EngineConfig:
     max_pending_requests: int = _f(16, "waiting requests beyond the active set; a full queue rejects new ones",
                                    metavar="N")
     pending_timeout_ms: int = _f(30000, "how long a request may wait in the queue before it is rejected")
-    prefill_chunk: int = _f(512, "prompt tokens per prefill step (shared by the sequences prefilling)",
-                            metavar="TOKENS")
+    prefill_chunk: Optional[int] = _f(None, "prompt tokens per prefill step (shared by the sequences prefilling); "
+                                            "larger is faster prefill, smaller keeps running streams' token gaps "
+                                            "short", metavar="TOKENS", default_text="2048 on CUDA, 512 on the CPU")
     default_max_tokens: int = _f(8192, "generated-token limit when a request gives none")
     # ---- tiered KV / prefix reuse
     prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier",
@@ -92,7 +93,8 @@ class EngineConfig:
              f"must be in 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         need(integer("max_pending_requests") >= 0, "max_pending_requests", "must be >= 0")
         need(integer("pending_timeout_ms") >= 1, "pending_timeout_ms", "must be >= 1")
-        need(integer("prefill_chunk") >= 1, "prefill_chunk", "must be >= 1")
+        if self.prefill_chunk is not None:
+            need(integer("prefill_chunk") >= 1, "prefill_chunk", "must be >= 1")
         need(integer("default_max_tokens") >= 1, "default_max_tokens", "must be >= 1")
         if self.max_context is not None:
             need(integer("max_context") >= 2, "max_context", f"must be >= 2, got {self.max_context}")
