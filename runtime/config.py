@@ -44,15 +44,19 @@ class EngineConfig:
     max_pending_requests: int = _f(16, "waiting requests beyond the active set; a full queue rejects new ones",
                                    metavar="N")
     pending_timeout_ms: int = _f(30000, "how long a request may wait in the queue before it is rejected")
-    prefill_chunk: int = _f(512, "prompt tokens per prefill step (shared by the sequences prefilling)",
-                            metavar="TOKENS")
+    prefill_chunk: Optional[int] = _f(None, "prompt tokens per prefill step (shared by the sequences prefilling); "
+                                            "larger is faster prefill, smaller keeps running streams' token gaps "
+                                            "short", metavar="TOKENS", default_text="2048 on CUDA, 512 on the CPU")
     default_max_tokens: int = _f(8192, "generated-token limit when a request gives none")
     # ---- tiered KV / prefix reuse
     prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier",
                             off_help="no prefix caching, turn checkpoints or host tier")
     device_state_slots: Optional[int] = _f(None, "device state slots for cached checkpoints beyond the active "
                                                  "lanes (default: max-concurrency)", metavar="N")
-    host_kv_mib: float = _f(1024.0, "ceiling of the host tier (pinned KV pages + state slots), MiB; 0 = no host tier")
+    host_kv_mib: Optional[float] = _f(None, "ceiling of the host tier (pinned KV pages + state slots), MiB; "
+                                            "0 = no host tier", metavar="MIB",
+                                      default_text="a quarter of the RAM available at start on CUDA (at least the "
+                                                   "host state slots + 1 GiB), 1024 on the CPU")
     host_state_slots: int = _f(8, "host state slots kept as a floor", metavar="N")
     host_ram_reserve_mib: float = _f(2048.0, "RAM that host-tier growth must leave free, MiB")
     max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)", metavar="N")
@@ -97,14 +101,18 @@ class EngineConfig:
              f"must be in 1..{MAX_CONCURRENCY}, got {self.max_concurrency}")
         need(integer("max_pending_requests") >= 0, "max_pending_requests", "must be >= 0")
         need(integer("pending_timeout_ms") >= 1, "pending_timeout_ms", "must be >= 1")
-        need(integer("prefill_chunk") >= 1, "prefill_chunk", "must be >= 1")
+        if self.prefill_chunk is not None:
+            need(integer("prefill_chunk") >= 1, "prefill_chunk", "must be >= 1")
         need(integer("default_max_tokens") >= 1, "default_max_tokens", "must be >= 1")
         if self.max_context is not None:
             need(integer("max_context") >= 2, "max_context", f"must be >= 2, got {self.max_context}")
         if self.device_state_slots is not None:
             need(integer("device_state_slots") >= 0, "device_state_slots", "must be >= 0")
         for name in ("host_kv_mib", "host_ram_reserve_mib"):
-            need(float(getattr(self, name)) >= 0, name, "must be >= 0")
+            v = getattr(self, name)
+            if v is not None:
+                need(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0, name,
+                     f"must be a number >= 0, got {v!r}")
         need(integer("host_state_slots") >= 0, "host_state_slots", "must be >= 0")
         need(integer("max_cache_entries") >= 1, "max_cache_entries", "must be >= 1")
         self._validate_spec()

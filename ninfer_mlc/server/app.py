@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import dataclasses
 import hmac
 import json
@@ -391,6 +392,10 @@ def run_server(args) -> int:
         raise
     state.engine.constraints.warm_in_background()  # index the vocabulary for constrained decoding now
     app = create_app(state)
+    # What is loaded now lives as long as the process: without a freeze, every gen-2 collection walks it
+    # (230k containers with a 248k-token vocabulary: 0.4 s on 2 cores), a pause in every stream.
+    gc.collect()
+    gc.freeze()
     main = _NoSignalServer.make_main(uvicorn.Config(app, host=args.host, port=args.port, log_level=level,
                                                     timeout_graceful_shutdown=5))
     extra = []
