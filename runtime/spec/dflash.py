@@ -134,7 +134,7 @@ class DFlashProposer:
         self._flush([st.dflash for _, st, _ in items])
         limit = self.runner.manifest.max_context
         live = []
-        for i, (req, st, k) in enumerate(items):
+        for i, (req, st, _) in enumerate(items):
             start = st.round.start
             if start + self.block <= limit and self.kv.ensure(req.seq, start + self.block - req.seq.length):
                 live.append(i)

@@ -137,7 +137,7 @@ class DrafterRunner:
         ([sum k, V] fp32) and, for DFlash2, the selector's projected hidden of those rows."""
         B, mask = self.block, self.cfg.mask_token_id
         seqs, starts, tokens, rows, attn_pos, kv_rows = [], [], [], [], [], []
-        for i, (seq, lane, start, anchor, ring_lo, k) in enumerate(items):
+        for i, (seq, _lane, start, anchor, _ring_lo, k) in enumerate(items):
             if start + B > len(seq.pages) * self.target.page_size:
                 raise ValueError(f"drafter block at {start} lies beyond the sequence's pages")
             if not 1 <= k < B:

@@ -2,12 +2,13 @@
 
 Row j's candidates are the K best tokens of the drafter's logits (ranked after the request's logit
 edits, bias and penalties, so a biased request gets candidates it can sample; without edits that is
-the reference's top-K); a candidate c after predecessor p scores unary[c] + <A[p] * h_j, B[c]> (A, B: the predecessor / successor codebooks, h_j: the row's
-projected hidden). The walk starts at the anchor (the last committed token); each step's choice is
-made by the engine's `choose` over a vocabulary row that holds these scores at the candidates and
--inf elsewhere, so greedy takes the argmax (the reference's T=0 path) and sampling draws from the
-processed scores and records that distribution for the rejection test (the reference samples
-softmax(scores / T)): the proposal is whatever q was drawn from, so verification stays lossless.
+the reference's top-K); a candidate c after predecessor p scores unary[c] + <A[p] * h_j, B[c]> (A, B:
+the predecessor / successor codebooks, h_j: the row's projected hidden). The walk starts at the anchor
+(the last committed token); each step's choice is made by the engine's `choose` over a vocabulary row
+that holds these scores at the candidates and -inf elsewhere, so greedy takes the argmax (the reference's
+T=0 path) and sampling draws from the processed scores and records that distribution for the rejection
+test (the reference samples softmax(scores / T)): the proposal is whatever q was drawn from, so
+verification stays lossless.
 """
 from __future__ import annotations
 
