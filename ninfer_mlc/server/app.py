@@ -147,7 +147,7 @@ def authorized(headers: Headers, key: str) -> bool:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ninfer-mlc", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ninfer-mlc", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ninfer = state
 
     @app.get("/health")

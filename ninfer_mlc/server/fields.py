@@ -103,6 +103,12 @@ def request_id(request: Request) -> str:
     return new_id("req_")
 
 
+def one_of(v: Any, names) -> bool:
+    """``v`` is one of the strings ``names``. A JSON array or object is none of them (and cannot even be
+    looked up in a set: ``[] in {"a"}`` raises TypeError, a 500 where the client deserves a 400)."""
+    return isinstance(v, str) and v in names
+
+
 def type_name(v: Any) -> str:
     """JSON name of a Python value's type, for error messages."""
     return {dict: "object", list: "array", str: "string", bool: "boolean", int: "integer",
