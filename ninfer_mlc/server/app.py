@@ -15,7 +15,6 @@ import hmac
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -149,7 +148,7 @@ def authorized(headers: Headers, key: str) -> bool:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="ninfer-mlc", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="ninfer-mlc", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.ninfer = state
 
     @app.get("/health")
@@ -425,10 +424,10 @@ class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
+        from .listen import bind_port
+
         self.host = host
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = bind_port(host, port, "port")
         self.port = self._sock.getsockname()[1]
         self.server = _NoSignalServer.make(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
         self._thread: Optional[threading.Thread] = None
