@@ -4,7 +4,8 @@ so a suite run compiles each geometry once).
 The key covers what shapes a library: geometry and dtypes, KV format and rotation, the MTP head, the weight
 format, the FP4 MMA path and the multimodal functions (or the vision tower's config), the target, the TVM
 version, the schedule files of CUDA targets, and the code that builds it: the syntax trees of compile/ and
-contract/ without docstrings, comments or formatting (so editing those rebuilds nothing). compile/ modules that never run in a build (LEFT_OUT) are not part of it.
+contract/ without docstrings, comments or formatting (so editing those rebuilds nothing). compile/ modules
+that never run in a build (LEFT_OUT) are not part of it.
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def code_digest() -> str:
     return h.hexdigest()
 
 
-def _key(parts: list, target: TargetSpec) -> str:
-    """Digest of `parts` (JSON), the target, TVM, the build code and, for CUDA targets, the schedule files."""
+def build_key(parts: list, target: TargetSpec) -> str:
+    """Key of a library built from `parts` (JSON-able: what the caller's module depends on) for `target`: their
+    digest with the target, TVM, the build code and, for CUDA targets, the schedule files."""
     import tvm
 
     h = hashlib.sha256(json.dumps([parts, target.name, tvm.__version__], sort_keys=True).encode())
@@ -74,16 +76,18 @@ def _key(parts: list, target: TargetSpec) -> str:
 
 
 def library_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool, mtp: bool,
-                weight_quant: str | None, fp4_mma: bool, multimodal: bool = False) -> str:
-    """Key of a model library (compile/build.py). The MTP head is compiled only when the checkpoint has it."""
+                weight_quant: str | None, fp4_mma: bool, multimodal: bool = False, tap_layers: tuple = ()) -> str:
+    """Key of a model library (compile/build.py). The MTP head is compiled only when the checkpoint has it,
+    the DFlash taps (prefill_t / verify_t) only for tap_layers."""
     geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    return (_key([geo, dtype, kv_dtype, kv_hadamard] + (["mtp"] if mtp else []), target)
+    parts = [geo, dtype, kv_dtype, kv_hadamard] + (["mtp"] if mtp else []) + ([["taps", list(tap_layers)]] if tap_layers else [])
+    return (build_key(parts, target)
             + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
 
 
 def vision_key(vcfg, dtype: str, target: TargetSpec) -> str:
     """Key of a vision tower library (compile/vision_build.py; vcfg: a VisionConfig)."""
-    return _key([vcfg.to_dict(), dtype], target) + "-vision"
+    return build_key([vcfg.to_dict(), dtype], target) + "-vision"
 
 
 def _cache_dir() -> Path | None:

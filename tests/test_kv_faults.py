@@ -169,3 +169,22 @@ def test_forward_fault_fails_the_batch_and_keeps_serving(reference):
         assert idle_audit(eng) == []
     finally:
         eng.stop()
+
+
+def test_host_tier_size_too_small_names_the_setting():
+    """A ceiling below the host state-slot floor is a ConfigError naming host_kv_mib (the CLI names the flag),
+    not a ValueError from inside the arena; None sizes it from the machine and always holds the floor."""
+    from ninfer_mlc.runtime.assemble import host_tier_mib
+    from ninfer_mlc.runtime.errors import ConfigError
+    from ninfer_mlc.runtime.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(ART)
+    slot_mib = (runner.conv_slot_bytes + runner.ssm_slot_bytes) / 2**20
+    with pytest.raises(ConfigError) as e:
+        host_tier_mib(EngineConfig(host_kv_mib=slot_mib, host_state_slots=4), runner)
+    assert e.value.field == "host_kv_mib" and "host state slots" in str(e.value)
+    assert host_tier_mib(EngineConfig(host_kv_mib=0), runner) == 0
+    assert host_tier_mib(EngineConfig(), runner) >= 1024 + 0 * slot_mib  # CPU: 1024 MiB (the floor is small)
+    runner.device_kind = "cuda"  # the CUDA rule: a quarter of MemAvailable, never below the floor + 1 GiB
+    big = EngineConfig(host_state_slots=10_000)
+    assert host_tier_mib(big, runner) >= 10_000 * slot_mib + 1024

@@ -47,12 +47,12 @@ def prompts(tok):
     return [tok.encode(p).ids for p in PROMPTS]
 
 
-def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=None, **opts):
+def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=None, art=ART, **opts):
     """Token ids of every request (logprobs on, so every token reaches the event stream), stats."""
     o = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=1024, host_kv_mib=0,
                       spec=spec, draft_tokens=k, **opts)
     o.kv_capacity = kv_tokens
-    eng = open_engine(ART, o)
+    eng = open_engine(art, o)
     try:
         hs = [eng.submit(GenRequest(p, params_for(i))) for i, p in enumerate(prompts)]
         outs, timings = [], []

@@ -39,6 +39,7 @@ from .fields import (
 )
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, anthropic_image_block
+from .openapi_doc import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, error_responses, request_body
 from .schema_check import check_schema
 from .sse import SSEResponse, sse_event
 
@@ -474,13 +475,14 @@ class MessageStreamer:
 
 
 # ---- routes -------------------------------------------------------------------------------
-@router.api_route("/api/hello", methods=["GET", "HEAD"])
+@router.get("/api/hello", operation_id="hello_get")
+@router.head("/api/hello", operation_id="hello_head")
 async def hello():
     """Claude Code's connectivity probe (``HEAD {ANTHROPIC_BASE_URL}/api/hello``)."""
     return JSONResponse({"status": "ok"})
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MESSAGES_REQUEST), responses=error_responses(True))
 async def messages(request: Request):
     state = _state(request)
     rid = new_id("req_")
@@ -530,7 +532,8 @@ async def _messages_sse(handle, streamer: MessageStreamer, events):
         gen.release(handle)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(COUNT_TOKENS_REQUEST),
+             responses=error_responses(True, (400, 401, 413, 429)))
 async def count_tokens(request: Request):
     state = _state(request)
     body = await read_json(request, state.config.max_request_bytes)

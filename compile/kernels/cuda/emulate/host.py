@@ -178,7 +178,7 @@ class HostProgram:
                 vals.append(buffers[a.value.id])
             else:
                 vals.append(int(self._eval(a, env)))
-        dims = dict(zip(params, vals[len(vals) - len(params):]))
+        dims = dict(zip(params, vals[len(vals) - len(params):], strict=True))
         return kernel, vals[:len(vals) - len(params)], dims
 
 

@@ -148,7 +148,7 @@ class EmuLib:
                 raise ValueError(f"{func}: array {name!r} must be a C-contiguous numpy array")
             if a.ndim != len(dims):
                 continue  # a flat view of the buffer: its shape variables come from elsewhere
-            for var, extent in zip(dims, a.shape):
+            for var, extent in zip(dims, a.shape, strict=True):
                 if var is not None and env.setdefault(var, extent) != extent:
                     raise ValueError(f"{func}: {name}.shape gives {var} = {extent}, but {var} = {env[var]}")
         missing = [p for p in params if p not in env]
@@ -165,7 +165,7 @@ class EmuLib:
                 raise RuntimeError(f"{kname}: host passes {len(vals)} arguments, the kernel takes {len(plist)}")
             ptrs = (ctypes.c_void_p * len(plist))()
             sc = (ctypes.c_int64 * len(plist))()
-            for i, ((ctype, _), v) in enumerate(zip(plist, vals)):
+            for i, ((ctype, _), v) in enumerate(zip(plist, vals, strict=True)):
                 if ctype.endswith("*"):
                     ptrs[i] = v.ctypes.data
                 else:
