@@ -175,7 +175,7 @@ def cmd_run(a) -> int:
     from ninfer_mlc.runtime.tvm_loader import import_tvm
 
     tvm = import_tvm("cuda")
-    dev = tvm.cuda(0)
+    tvm.cuda(0)  # fail early without a GPU
     out = Path(a.out)
     meta = json.loads((out / "gdn.json").read_text())
     lib = tvm.runtime.load_module(str(out / "gdn.so"))

@@ -95,7 +95,8 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
                          tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids if end_id is not None else [])
     dev = runner.dev
     info = ModelInfo(
-        name=m.name, random_weights=runner.random_weights, architecture=str(m.config.get("architecture") or ""), target=m.target, dtype=m.dtype,
+        name=m.name, random_weights=runner.random_weights, architecture=str(m.config.get("architecture") or ""),
+        target=m.target, dtype=m.dtype,
         kv_dtype=m.kv_dtype, device=f"{runner.device_kind}:{int(getattr(dev, 'index', 0) or 0)}",
         device_name=str(getattr(dev, "device_name", "") or "") if runner.device_kind == "cuda" else "",
         device_total_bytes=int(getattr(dev, "total_global_memory", 0) or 0) if runner.device_kind == "cuda" else 0,

@@ -1,6 +1,7 @@
 """The CUDA MoE kernels (compile/kernels/cuda/moe.py) as generated CUDA on the CPU emulator
 (compile/kernels/cuda/emulate), against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
-the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core, NVFP4 in-register dequantization and FMA
+the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core,
+NVFP4 in-register dequantization and FMA
 paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders) and the combine; plus the wiring of the
 MoE block on CUDA and a compile check of the 35B-A3B shapes for sm_90 / sm_120."""
 from __future__ import annotations

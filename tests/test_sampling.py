@@ -167,7 +167,6 @@ def test_presence_frequency_apply_to_generated_only():
 
 
 def test_repetition_penalty_rollback_and_mask():
-    V = 8
     logits = np.array([1, -1, 2, -2, 0.5, 0.5, 3, -3], np.float32)
     params = SamplingParams(temperature=1.0, repetition_penalty=2.0)
     state = RowState(params, prompt_token_ids=[0])

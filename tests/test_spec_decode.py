@@ -278,7 +278,7 @@ def _accept_trials(p, q, trials, broken=False):
     """First emitted token of one speculative step with a single draft from q, target p."""
     sampler = Sampler()
     params = SamplingParams(temperature=1.0)
-    lp, lq = np.log(p).astype(np.float32), np.log(q).astype(np.float32)
+    lp = np.log(p).astype(np.float32)
     out = []
     for s in range(trials):
         row = RowState(params, rng=np.random.default_rng(s))

@@ -9,7 +9,8 @@ Every field value the real API documents is accepted; what has no meaning for a 
 is ignored, never answered with a 400. Thinking: ``enabled`` thinks, ``disabled`` does not,
 ``adaptive`` (the model decides; Claude Code's default) follows the server's template default
 (``--no-thinking``); a request without ``thinking`` does not think, as with the real API, unless
-the server runs with ``--messages-thinking-default on`` (then the server default decides too). ``role: "system"`` messages inside ``messages``
+the server runs with ``--messages-thinking-default on`` (then the server default decides too).
+``role: "system"`` messages inside ``messages``
 are folded into the adjacent user turn (server/system_fold.py).
 """
 from __future__ import annotations

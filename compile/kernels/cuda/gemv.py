@@ -289,7 +289,6 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
     """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch)."""
     silu = epilogue == "silu_mul"
-    has_res = epilogue == "residual"
     U = unroll
     OO = O // 2 if silu else O
     TILES = (OO + 7) // 8 if silu else (O + 15) // 16
