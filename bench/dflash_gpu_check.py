@@ -108,6 +108,7 @@ def _engine_outputs(target: Path, spec: str, drafter: Path | None, k: int, concu
 
     prompts = [_ids(n, seed=20 + n) for n in (30, 45, 37, 52)]
     o = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=1024, host_kv_mib=0,
+                     kv_capacity=str(1024 * concurrency),  # engines open one after another in this process
                      prefill_chunk=chunk, spec=spec, draft_tokens=k, draft_model=str(drafter) if drafter else None,
                      cuda_graphs=cuda_graphs)
     eng = open_engine(target, o)

@@ -59,7 +59,8 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
             from .spec.dflash_runner import paged_bytes_per_page
 
             extra = paged_bytes_per_page(cfg.draft_model)
-        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra)
+        rows = max(int(cfg.prefill_chunk or 0), cfg.max_concurrency * (cfg.draft_tokens + 1))
+        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra, step_rows=rows)
     return int(cap)
 
 

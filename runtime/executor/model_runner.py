@@ -99,15 +99,30 @@ class ModelRunner:
         pool, shape, dtype = self.page_pools[name]
         return self._view(pool, shape, page, np_dtype(dtype).itemsize)
 
-    def auto_kv_tokens(self, num_slots: int, extra_page_bytes: int = 0) -> int:
-        """Tokens of KV that fit in the device memory left after weights, state slots and 1 GiB
-        (the artifact's max_context on the CPU, where memory is not the pool's limit). extra_page_bytes:
-        pools that will be attached on the same page ids (a DFlash drafter's paged layers)."""
+    def step_workspace_bytes(self, rows: int) -> int:
+        """An upper estimate of what one forward pass of `rows` tokens allocates beside the pools: activations
+        (32 bytes per token for each element of the widest row: the fused gate_up / expert projections), and,
+        where NVFP4 weights are dequantized per call (no FP4 tensor cores), bf16 copies of the two largest."""
+        c = self.cfg
+        width = max(int(c.get("hidden_size") or 0), 2 * int(c.get("intermediate_size") or 0),
+                    2 * int(c.get("moe_intermediate_size") or 0) * int(c.get("num_experts_per_tok") or 1))
+        total = rows * 32 * width
+        extras = self.manifest.extras
+        if extras.get("weight_quant") == "nvfp4" and not extras.get("fp4_mma"):
+            packed = sorted((int(np.prod(shape)) for _, shape, dtype in self.manifest.params if str(dtype) == "uint8"),
+                            reverse=True)[:2]
+            total += sum(4 * n for n in packed)  # two fp4 codes per byte -> 2 bf16 bytes each
+        return total
+
+    def auto_kv_tokens(self, num_slots: int, extra_page_bytes: int = 0, step_rows: int = 2048) -> int:
+        """Tokens of KV that fit in the device memory left after weights, state slots, 1 GiB and the workspace of
+        a step of step_rows tokens (the artifact's max_context on the CPU, where memory is not the pool's limit).
+        extra_page_bytes: pools that will be attached on the same page ids (a DFlash drafter's paged layers)."""
         free = int(getattr(self.dev, "available_global_memory", 0) or 0) if self.device_kind == "cuda" else 0
         if free <= 0:
             return self.manifest.max_context
         per_token = (self.layout.page_bytes + extra_page_bytes) / self.page_size
-        left = free - self.AUTO_HEADROOM - num_slots * self.layout.state_slot_bytes
+        left = free - self.AUTO_HEADROOM - self.step_workspace_bytes(step_rows) - num_slots * self.layout.state_slot_bytes
         return max(self.manifest.max_context, int(left // per_token))
 
     def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None) -> None:
