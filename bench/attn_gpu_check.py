@@ -70,6 +70,7 @@ FUNCS = {
     "fp8tiny": (GEO_TINY, "float32", "fp8"),
     "nvfp4tiny": (GEO_TINY, "bfloat16", "nvfp4"),
     "bf16small": (GEO_SMALL, "bfloat16", None),
+    "nvfp4small": (GEO_SMALL, "bfloat16", "nvfp4"),
 }
 # variants of the bf16 27B kernel, timed next to the default (registry) configuration
 VARIANTS = {
@@ -132,6 +133,10 @@ CASES = [
     ("emu_bf16small_pf", "bf16small", [(70, 33), (0, 31), (5, 9), (130, 3)], False, True),
     ("emu_bf16_pf_long", "bf16", [(333, 77), (64, 64)], False, True),
     ("emu_f16_pf", "f16", [(20, 70)], False, True),
+    # quantized pages: the prefill path dequantizes K/V tiles into its bf16 shared tiles
+    ("emu_fp8_pf", "fp8", [(40, 30), (0, 21), (100, 19)], False, True),
+    ("emu_nvfp4_pf", "nvfp4", [(40, 30), (0, 21), (100, 19)], False, True),
+    ("emu_nvfp4small_pf", "nvfp4small", [(70, 33), (0, 31), (5, 9)], False, True),
 ]
 
 

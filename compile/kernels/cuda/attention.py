@@ -146,6 +146,28 @@ def _fp8_exponent_bits(ab):
     return tirx.Select(ab > _u32(0), tirx.Cast("uint32", b), _u32(127))
 
 
+def _signed(mag, sign_bit):
+    """mag (float32 >= 0) with sign_bit (uint32: 0 or 1 << 31) ORed into its bits."""
+    return tirx.reinterpret("float32", tirx.reinterpret("uint32", mag) | sign_bit)
+
+
+def _e2m1_twice(c):
+    """2 x the E2M1 value of code c & 15 (uint32), exact and branch-free: 2 x magnitude is the nibble
+    (0, 1, 2, 3, 4, 6, 8, 12)[c & 7] of 0xC8643210 (QDEC_SRC's ninfer_attn_e2m1x2)."""
+    mag = tirx.Cast("float32", tirx.Cast("int32", (_u32(0xC8643210) >> ((c & _u32(7)) << _u32(2))) & _u32(15)))
+    return _signed(mag, (c & _u32(8)) << _u32(28))
+
+
+def _e4m3_value(c):
+    """E4M3 value of code c & 255 (uint32), exact and branch-free (QDEC_SRC's ninfer_attn_e4m3): 2^9 x the
+    magnitude is the integer ((c & 7) | 8 [e > 0]) << max(e - 1, 0), e = (c >> 3) & 15."""
+    e = (c >> _u32(3)) & _u32(15)
+    nz = (e + _u32(15)) >> _u32(4)
+    mag = tirx.Cast("float32", tirx.Cast("int32", ((c & _u32(7)) | (nz << _u32(3))) << (e - nz))) * tirx.const(
+        2.0 ** -9, "float32")
+    return _signed(mag, (c & _u32(0x80)) << _u32(24))
+
+
 def _nvfp4_code(x, scale):
     return tirx.Select(scale > tirx.const(0.0, "float32"), e2m1_encode(_fdiv_rn(x, scale)), _u32(0))
 
@@ -257,26 +279,146 @@ __forceinline__ __device__ void ninfer_attn_cp_wait1() { asm volatile("cp.async.
 
 
 def prefill_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
-    """The prefill (FlashAttention-2) attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0."""
+    """The prefill (FlashAttention-2) attend path: head_dim % 64 == 0 and 16-bit pages of the activation
+    dtype, or fp8 / nvfp4 pages under bf16 activations (tiles dequantized into the bf16 shared tiles: every
+    dequantized value is exact in bf16, not in f16)."""
     kv = kv_dtype or dtype
-    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads % n_kv == 0
+    if head_dim % 64 or n_heads % n_kv:
+        return False
+    return (kv == dtype and kv in ("bfloat16", "float16")) or (kv in QUANT_KV_DTYPES and dtype == "bfloat16")
 
 
 def prefill_smem_bytes(head_dim: int) -> int:
     return (PF_BQ + 4 * PF_BKV) * (head_dim * 2 + 16)
 
 
+# exact, branch-free decoders of the quantized page codes (portable C: the CPU emulator compiles them as
+# they are). E2M1: 2 x magnitude is the nibble (0, 1, 2, 3, 4, 6, 8, 12)[code & 7] of 0xC8643210; E4M3:
+# 2^9 x magnitude is the integer ((code & 7) | 8 [e > 0]) << max(e - 1, 0), e = (code >> 3) & 15 (the
+# llvm kernel's e4m3_decode_abs, 0x7F included). The sign is ORed into the float's bits (no branch, no
+# subnormal fp32 value anywhere: TVM compiles with flush-to-zero).
+QDEC_SRC = _dev_src("""
+__forceinline__ __device__ float ninfer_attn_signed(float m, unsigned sign_bit) {
+  union { float f; unsigned u; } x;
+  x.f = m;
+  x.u |= sign_bit;
+  return x.f;
+}
+__forceinline__ __device__ float ninfer_attn_e2m1x2(unsigned c) {  // 2 x the E2M1 value of code c & 15
+  return ninfer_attn_signed((float)(int)((0xC8643210u >> ((c & 7u) << 2)) & 15u), (c & 8u) << 28);
+}
+__forceinline__ __device__ float ninfer_attn_e4m3(unsigned c) {  // the E4M3 value of code c & 255
+  const unsigned e = (c >> 3) & 15u, nz = (e + 15u) >> 4;
+  return ninfer_attn_signed((float)(int)(((c & 7u) | (nz << 3)) << (e - nz)) * 0.001953125f, (c & 0x80u) << 24);
+}""", guard=True).replace("NINFER_ATTN_DEV_BEGIN", "NINFER_ATTN_SRC_BEGIN").replace("NINFER_ATTN_DEV_END",
+                                                                                      "NINFER_ATTN_SRC_END")
+
+
+def _quant_tile_src(kv_dtype: str, head_dim: int, page_size: int, n_kv: int, n_layers: int, pack_fn: str) -> str:
+    """CUDA lambdas of the prefill block for quantized pages: qload(t) issues the global loads of K/V tile
+    t (this thread's PF_BKV * head_dim / 16 / PF_NT units of (row, 16 columns), K and V) into registers,
+    qstore(t) dequantizes them and writes the bf16 rows of the tile's shared buffer. Row bytes: the llvm
+    kernel's layout (attention_quant): nvfp4 = D/2 code bytes (element 2j in the low nibble of byte j)
+    then D/16 E4M3 block scales; fp8 = D E4M3 codes, the E8M0 row exponent, 3 pad bytes."""
+    D, PS, HKV, NL = head_dim, page_size, n_kv, n_layers
+    RB = kv_row(kv_dtype, D)[1]
+    NBLK = D // NVFP4_BLOCK
+    UPT = PF_BKV * NBLK // PF_NT  # units per thread and tile
+    if PF_BKV * NBLK % PF_NT or RB % 4:
+        raise ValueError(f"prefill tiles of {kv_dtype} pages need {PF_NT} | {PF_BKV * NBLK} units and 4-byte rows")
+    NW = 2 if kv_dtype == "nvfp4" else 4  # 32-bit code words per unit
+    code_ofs = "8 * b" if kv_dtype == "nvfp4" else "16 * b"
+    scale_ofs = f"{D // 2} + b" if kv_dtype == "nvfp4" else f"{D}"
+    if kv_dtype == "nvfp4":
+        dequant = f"""
+        const float sf = 0.5f * ninfer_attn_e4m3(sc & 0x7Fu);
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {{
+          const unsigned w = wd[x >> 2] >> (8 * (x & 3));
+          pk[x] = {pack_fn}(ninfer_attn_e2m1x2(w) * sf, ninfer_attn_e2m1x2(w >> 4) * sf);
+        }}"""
+    else:
+        dequant = f"""
+        union {{ float f; unsigned u; }} rs;
+        rs.u = (unsigned)sc << 23;  // 2^(byte - 127), byte in [1, 253]
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {{
+          const unsigned w = wd[x >> 1] >> (16 * (x & 1));
+          pk[x] = {pack_fn}(ninfer_attn_e4m3(w) * rs.f, ninfer_attn_e4m3(w >> 8) * rs.f);
+        }}"""
+    return f"""
+    // quantized pages: this thread's units (row, 16-column block) of K and V, raw bytes in registers
+    unsigned qw[2][{UPT}][{NW}];
+    unsigned char qs[2][{UPT}];
+    auto qload = [&](int t) {{
+      const int t0 = t * {PF_BKV};
+      const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * RB}LL;
+#pragma unroll
+      for (int k = 0; k < {UPT}; ++k) {{
+        const int u = tid + k * {PF_NT}, r = u / {NBLK}, b = u % {NBLK};
+        // positions past the sequence's length: its last row (finite values, masked)
+        const unsigned char* src = qpool + base + (long long)(t0 % {PS} + min(r, lmax - 1 - t0)) * {RB};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {{
+          const unsigned char* row = src + c * {HKV * PS * RB}LL;
+#pragma unroll
+          for (int x = 0; x < {NW}; ++x) qw[c][k][x] = ((const unsigned*)(row + {code_ofs}))[x];
+          qs[c][k] = row[{scale_ofs}];
+        }}
+      }}
+    }};
+    auto qstore = [&](int t) {{
+#pragma unroll
+      for (int k = 0; k < {UPT}; ++k) {{
+        const int u = tid + k * {PF_NT}, r = u / {NBLK}, b = u % {NBLK};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {{
+        const unsigned* wd = qw[c][k];
+        const unsigned sc = qs[c][k];
+        unsigned pk[8];{dequant}
+        uint4* dst = (uint4*)((c ? sV : sK) + (t & 1) * {PF_BKV * (D * 2 + 16)} + r * {D * 2 + 16} + 32 * b);
+        dst[0] = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        dst[1] = make_uint4(pk[4], pk[5], pk[6], pk[7]);
+        }}
+      }}
+    }};"""
+
+
 def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str,
-                   scale2: float) -> str:
+                   scale2: float, kv_dtype: str | None = None) -> str:
     """CUDA of the prefill attend block (see the module docstring): Q tile of PF_BQ (token, head) rows of
     KV head blockIdx.y in shared memory, K/V tiles of PF_BKV positions double-buffered by cp.async,
     S = Q K^T and O += P V by mma.m16n8k16 with ldmatrix fragments, online softmax (base 2) per row,
-    causal / sequence mask per row; one pass over the K/V of every sequence present in the tile."""
+    causal / sequence mask per row; one pass over the K/V of every sequence present in the tile.
+    kv_dtype fp8 / nvfp4: the K/V tiles are loaded into registers one tile ahead (before the mma work on
+    the current tile) and dequantized into the bf16 shared buffers after it (_quant_tile_src)."""
     D, G, HQ, HKV, PS, NL = head_dim, n_heads // n_kv, n_heads, n_kv, page_size, n_layers
+    quant = kv_dtype in QUANT_KV_DTYPES
     SROW = D * 2 + 16  # bytes per shared row (16 bytes of padding: conflict-free ldmatrix)
     mma_fn = _MMA_SRC[dtype][0].replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_")
     pack_fn = _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_")
     BQ, BKV, NT = PF_BQ, PF_BKV, PF_NT
+    if quant:
+        qtile = _quant_tile_src(kv_dtype, D, PS, HKV, NL, pack_fn)
+        first_tile = """
+    qload(0);
+    qstore(0);"""
+        next_tile = """
+      if (t + 1 < nkv) qload(t + 1);
+      if (t == 0) ninfer_attn_cp_wait0();  // the Q tile"""
+        store_next = """
+      if (t + 1 < nkv) qstore(t + 1);  // the other buffer: last read before the previous barrier"""
+    else:
+        qtile, store_next = "", ""
+        first_tile = """
+    load(0);"""
+        next_tile = """
+      if (t + 1 < nkv) {
+        load(t + 1);
+        ninfer_attn_cp_wait1();
+      } else {
+        ninfer_attn_cp_wait0();
+      }"""
     return f"""
 // NINFER_ATTN_SRC_BEGIN (kept by bench/attn_gpu_check.py's CPU emulation)
 __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
@@ -284,6 +426,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     int n, int p, int layer, unsigned char* smem) {{
   const unsigned short* q = (const unsigned short*)qv;
   const unsigned short* pool = (const unsigned short*)poolv;
+  const unsigned char* qpool = (const unsigned char*)poolv;
   unsigned* out = (unsigned*)outv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int nrows = n * {G};
@@ -327,7 +470,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     int lmax = 0;
     for (int j = it; j <= i_hi; ++j) if (tseq[j] == sq) lmax = max(lmax, pos[j] + 1);
     const int* ptr = pt + (long long)sq * p;
-    const int nkv = (lmax + {BKV - 1}) / {BKV};
+    const int nkv = (lmax + {BKV - 1}) / {BKV};{qtile}
     auto load = [&](int t) {{
       const int t0 = t * {BKV};
       const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * D};
@@ -344,14 +487,8 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     }};
     bool act[2];
     for (int rr = 0; rr < 2; ++rr) act[rr] = rok[rr] && rseq[rr] == sq;
-    load(0);
-    for (int t = 0; t < nkv; ++t) {{
-      if (t + 1 < nkv) {{
-        load(t + 1);
-        ninfer_attn_cp_wait1();
-      }} else {{
-        ninfer_attn_cp_wait0();
-      }}
+{first_tile}
+    for (int t = 0; t < nkv; ++t) {{{next_tile}
       __syncthreads();
       const unsigned char* kb = sK + (t & 1) * {BKV * SROW};
       const unsigned char* vb = sV + (t & 1) * {BKV * SROW};
@@ -422,7 +559,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
           ninfer_attn_ldsm_x4_t(b, vb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + dp * 32 + (lane >> 4) * 16);
           {mma_fn}(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
           {mma_fn}(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
-        }}
+        }}{store_next}
       __syncthreads();
     }}
   }}
@@ -524,15 +661,17 @@ def paged_attention(
     pf_ok = prefill_applies(n_heads, n_kv, head_dim, dtype, kv_dt)
     PF = bool(prefill) if prefill is not None else pf_ok
     if PF and not pf_ok:
-        raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16) and head_dim % 64 == 0")
+        raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16), or fp8 / nvfp4 KV under "
+                         f"bfloat16, and head_dim % 64 == 0 (got {kv_dt}, {head_dim})")
     PF_MIN = max(1, int(prefill_min))
     PF_SMEM = prefill_smem_bytes(D)
     PF_NAME = "ninfer_attn_prefill_" + "_".join(str(x) for x in (n_heads, n_kv, D, PS, n_layers)) + (
-        "_bf16" if dtype == "bfloat16" else "_f16") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
+        "_bf16" if dtype == "bfloat16" else "_f16") + ("_" + kv_dt if quant else "") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
         "-", "m").replace("+", "")
     PF_SRC = (_PF_HELPERS.get(dtype, "") + LDSM_SRC[False][1]
-              + LDSM_SRC[True][1] + CP_SRC + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype,
-                                                              float(sm_scale) * LOG2E) if PF else ""))
+              + LDSM_SRC[True][1] + CP_SRC + (QDEC_SRC if quant else "")
+              + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype, float(sm_scale) * LOG2E,
+                                kv_dt if quant else None) if PF else ""))
     scale2 = float(sm_scale) * LOG2E
 
     def load(pool, pg, layer, c, h, slot, d):
@@ -548,15 +687,17 @@ def paged_attention(
         return e4m3_decode(code) * pow2_from_e8m0(tirx.Cast("uint32", pool[pg, layer, c, h, slot, head_dim]))
 
     def elem(raw, sf, c, j, e):
-        """fp32 column e (of the lane's DL) of raw row (c, j)."""
+        """fp32 column e (of the lane's DL) of raw row (c, j): branch-free decoders (a Select on a loaded
+        code became an if / else per element and head in the generated CUDA: ~2500 instructions per
+        position and warp, the nvfp4 decode ran at ~37 GB/s)."""
         r = (c * QB + j) * RW
         if MODE == "vec" or MODE == "scalar":
             return T.Cast("float32", raw[r + e])
         if MODE == "fp8v":
-            return e4m3_decode(T.Cast("uint32", raw[r + e])) * sf[c * QB + j]
+            return _e4m3_value(T.Cast("uint32", raw[r + e])) * sf[c * QB + j]
         byte = T.Cast("uint32", raw[r + e // 2])
-        code = (byte >> (T.Cast("uint32", e % 2) * _u32(4))) & _u32(15)
-        return e2m1_decode(code) * sf[(c * QB + j) * NSB + e // NVFP4_BLOCK]
+        code = byte >> (T.Cast("uint32", e % 2) * _u32(4))
+        return _e2m1_twice(code) * sf[(c * QB + j) * NSB + e // NVFP4_BLOCK]  # sf holds half the block scale
 
     def _or_words(buf, nvec):
         """OR of the first word of each of the nvec loaded 16-byte vectors in buf."""
@@ -780,6 +921,7 @@ def paged_attention(
                             part = T.alloc_buffer((G * QB,), "float32", scope="local")
                             raw = T.alloc_buffer((2 * QB * RW,), RAW_DT, scope="local")
                             sf = T.alloc_buffer((2 * QB * NSB,), "float32", scope="local")
+                            xv = T.alloc_buffer((DL,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((DL,), dtype, scope="local")
                             mg = T.alloc_buffer((WH * G * D,), "float32", scope="shared")
@@ -831,17 +973,20 @@ def paged_attention(
                                                         (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB), D]))
                                                 if MODE == "nvfp4v":
                                                     for eb in T.unroll(NSB):
-                                                        sf[(c * QB + j) * NSB + eb] = e4m3_decode_abs(T.Cast("uint32", pool[
+                                                        # half the block scale: the codes decode to twice their value
+                                                        sf[(c * QB + j) * NSB + eb] = _e4m3_value(T.Cast("uint32", pool[
                                                             page, layer, c, g,
                                                             (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB),
-                                                            half + (lane * DL) // NVFP4_BLOCK + eb]))
+                                                            half + (lane * DL) // NVFP4_BLOCK + eb]) & _u32(0x7F)) * T.float32(0.5)
                                         # -- partial dot products over the lane's columns
+                                        # (each element decoded once into xv, then used by every head)
                                         for j in T.unroll(QB):
+                                            for e in T.unroll(DL):
+                                                xv[e] = elem(raw, sf, 0, j, e)
                                             for h in T.unroll(G):
                                                 part[h * QB + j] = T.float32(0)
                                                 for e in T.unroll(DL):
-                                                    part[h * QB + j] = part[h * QB + j] + qr[h * DL + e] * elem(
-                                                        raw, sf, 0, j, e)
+                                                    part[h * QB + j] = part[h * QB + j] + qr[h * DL + e] * xv[e]
                                         # -- transposing butterfly: halve the positions on lane bits 16, 8, ...
                                         for st in T.unroll(NH):
                                             for h in T.unroll(G):
@@ -881,9 +1026,10 @@ def paged_attention(
                                                 part[h * QB + j] = T.tvm_warp_shuffle(
                                                     T.uint32(0xFFFFFFFF), pr[h], j << SH, 32, 32)
                                             for e in T.unroll(DL):
+                                                xv[e] = elem(raw, sf, 1, j, e)
+                                            for e in T.unroll(DL):
                                                 for h in T.unroll(G):
-                                                    acc[h * DL + e] = acc[h * DL + e] + part[h * QB + j] * elem(
-                                                        raw, sf, 1, j, e)
+                                                    acc[h * DL + e] = acc[h * DL + e] + part[h * QB + j] * xv[e]
                             # row sums: lanes of one position group hold equal partials
                             for h in T.unroll(G):
                                 for st in T.unroll(NH):
