@@ -137,6 +137,12 @@ CASES = [
     ("emu_fp8_pf", "fp8", [(40, 30), (0, 21), (100, 19)], False, True),
     ("emu_nvfp4_pf", "nvfp4", [(40, 30), (0, 21), (100, 19)], False, True),
     ("emu_nvfp4small_pf", "nvfp4small", [(70, 33), (0, 31), (5, 9)], False, True),
+    # quantized pages at long context (decode: nvfp4 on tensor cores, fp8 on the SIMT split path; prefill: the
+    # FlashAttention-2 launch with dequantized tiles), beside the bf16 cases of the same shapes
+    *[(f"{kv}_dec_b{b}_{k}k", kv, _dec(b, k * 1024), True, False) for kv in QUANT for b, k in ((1, 8), (1, 32), (4, 32), (1, 128))],
+    *[(f"{kv}_pf_{name}", kv, rows, True, False) for kv in QUANT for name, rows in (
+        ("2k", [(0, 2048)]), ("8k", [(0, 8192)]), ("2k_after_30k", [(30720, 2048)]))],
+    ("bf16_pf_2k_after_30k", "bf16", [(30720, 2048)], True, False),
 ]
 
 
@@ -299,12 +305,30 @@ def reference(m: dict, q, pool_after, pos, tseq, pt, torch_dev=None):
     group = hq // hkv
     out = np.zeros((len(pos), hq, d))
     is_t = not isinstance(pool_after, np.ndarray)
+    deq = {}  # quantized pool: sequence -> its K, V rows dequantized once (float64; torch on the GPU run)
     for i in range(len(pos)):
         L = int(pos[i]) + 1
         j = np.arange(L)
         pg = pt[tseq[i], j // PAGE]
         sl = j % PAGE
-        if is_t:
+        if not is_t and m["quant"]:
+            r = int(tseq[i])
+            if r not in deq:
+                jj = np.arange(int(pos[tseq == r].max()) + 1)
+                pgs, sls = pt[r, jj // PAGE], jj % PAGE
+                kv_ = [unpack_rows(pool_after[:, LAYER, c][pgs, :, sls], m["kv"], d).astype(np.float64) for c in (0, 1)]
+                if torch_dev is not None:
+                    import torch
+
+                    kv_ = [torch.as_tensor(x, device=torch_dev) for x in kv_]
+                deq[r] = kv_
+            K, V = deq[r]
+            qi = np.asarray(q[i], np.float64)
+            if torch_dev is not None:
+                qi = torch.as_tensor(qi, device=torch_dev)
+            o = _attend(qi, K[:L], V[:L], group, m["scale"])
+            out[i] = o.cpu().numpy() if torch_dev is not None else o
+        elif is_t:
             import torch
 
             pgt = torch.as_tensor(pg, device=pool_after.device, dtype=torch.long)
@@ -389,9 +413,10 @@ def kernel_funcs(baseline: bool = True, variants: bool = True, tags=None) -> dic
     return {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
 
 
-def _baseline_module(rev: str = "HEAD"):
+def _baseline_module(rev: str | None = None):
     """compile/kernels/cuda/attention.py at git `rev`, imported next to the current one."""
     rel = "compile/kernels/cuda/attention.py"
+    rev = rev or os.environ.get("ATTN_BASELINE_REV", "HEAD")  # e.g. main's commit for a before/after run
     try:
         src = gc.git_show(rev, rel)
     except (OSError, subprocess.CalledProcessError) as e:
@@ -623,7 +648,7 @@ def cmd_run(a) -> int:
             write_rows(ref_pool.view(torch.int16) if exp_rows.dtype == _np_dt("bfloat16") else ref_pool, m, pos,
                        tseq, pt, exp_rows)
             ref = reference(m, np.asarray(q, np.float32), ref_pool.cpu().numpy() if m["quant"] else ref_pool,
-                            pos, tseq, pt)
+                            pos, tseq, pt, torch_dev=be.device if m["quant"] and be.device == "cuda" else None)
             args = be.bind(m, q, k, v, pos, tseq, pt, pool_t)
             got = be.call(m["func"], args)
             err = rel_err(got, ref)
@@ -669,7 +694,9 @@ def cmd_run(a) -> int:
 def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
     """Times the case's kernel, the HEAD baseline and (bf16, within the budget) the variants."""
     torch, dev = be.torch, be.dev
-    fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs]
+    # (the old quantized prefill runs the SIMT path over the whole context per token: timed at 2k only)
+    slow_old = m["quant"] and "_pf_" in m["name"] and not m["name"].endswith("_pf_2k")
+    fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs and not slow_old]
     if m["tag"] == "bf16" and not a.skip_variants and time.time() - t_start < a.budget_s and "_pf_" not in m["name"]:
         fns += [fn for fn in sorted(funcs) if fn.startswith("v_")]
     timing = {}
@@ -1010,6 +1037,31 @@ static inline unsigned ninfer_moe_bf16x2_mul(unsigned a, unsigned b) {
   float lo = emu_h2f_bf16(a & 0xffffu) * emu_h2f_bf16(b & 0xffffu), hi = emu_h2f_bf16(a >> 16) * emu_h2f_bf16(b >> 16);
   return (unsigned)nv_bfloat16(lo).b | ((unsigned)nv_bfloat16(hi).b << 16);
 }
+// ---- qattn: nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3_F16X2_SRC) --------
+static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of the byte pair (b, b)
+  b &= 0xFFu;
+  const unsigned e = (b >> 3) & 15u, m = b & 7u;
+  float v = e ? ldexpf(1.0f + (float)m / 8.0f, (int)e - 7) : ldexpf((float)m, -9);
+  if (b & 0x80u) v = -v;
+  _Float16 h = (_Float16)v;
+  uint16_t u; memcpy(&u, &h, 2);
+  return (unsigned)u * 0x10001u;
+}
+static void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w, unsigned s2) {  // pairs (0,2) (1,3) (4,6) (5,7) x scale
+  static const float mag[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  static const int first[4] = {0, 1, 4, 5};
+  uint16_t sb = (uint16_t)(s2 & 0xFFFFu); _Float16 s; memcpy(&s, &sb, 2);
+  for (int k = 0; k < 4; ++k) {
+    unsigned r = 0;
+    for (int hh = 0; hh < 2; ++hh) {
+      const unsigned c = (w >> (4 * (first[k] + 2 * hh))) & 15u;
+      _Float16 x = (_Float16)((c & 8u ? -mag[c & 7u] : mag[c & 7u]) * (float)s);  // exact product, one rounding
+      uint16_t u; memcpy(&u, &x, 2);
+      r |= (unsigned)u << (16 * hh);
+    }
+    d[k] = r;
+  }
+}
 """
 
 _KERNEL_SIG = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, *\d+)?\) (\w+)\((.*?)\) \{')
@@ -1197,7 +1249,7 @@ class EmuLib:
             for i, ((ctype, pname), v) in enumerate(zip(plist, vals[:nparams])):
                 if ctype.endswith("*"):
                     base = re.match(r"(\w+?)(_\d+)?\.data$", v).group(1)
-                    base = {"poolv": "pool", "poolw": "pool", "qw1": "q", "outv": "out"}.get(base, base)
+                    base = {"poolv": "pool", "poolw": "pool", "poolu": "pool", "qw1": "q", "outv": "out"}.get(base, base)
                     arr = arrays[base]
                     ptrs[i] = arr.ctypes.data
                     keep.append(arr)

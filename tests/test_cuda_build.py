@@ -291,12 +291,14 @@ def test_attention_reference_matches_llvm_kernel():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_attention_cuda_source_on_cpu_emulator():
-    """The generated CUDA of the paged attention (tensor-core path for bf16 pages, SIMT path for
-    f32 / fp8 / nvfp4) run on the CPU emulator (fibers per thread; shuffles, barriers and
-    mma.m16n8k16 emulated) matches the float64 reference; appended page bytes are exact."""
+    """The generated CUDA of the paged attention (tensor-core split path for bf16 and nvfp4 pages, SIMT
+    path for f32 / fp8; the prefill launch over fp8 / nvfp4 pages) run on the CPU emulator (fibers per
+    thread; shuffles, barriers and mma.m16n8k16 emulated) matches the float64 reference; appended page
+    bytes are exact."""
     C = _attn_check()
     cases = {m["name"]: m for m in C.all_cases()}
-    names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec")
+    names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec", "emu_fp8_pf",
+             "emu_nvfp4_pf")
     lib = C.EmuLib(C.kernel_funcs(baseline=False, variants=False, tags={cases[n]["tag"] for n in names}))
     for name in names:
         r = C.emulate_case(cases[name], lib)
@@ -306,20 +308,21 @@ def test_attention_cuda_source_on_cpu_emulator():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_attention_kernels_compile_without_spills(tmp_path):
     """27B geometry: the bf16 attend kernel takes the tensor-core path with __launch_bounds__(128, 2);
-    bf16 / fp8 / nvfp4 kernels (the bf16 one with its prefill attend launch: 4 kernels) compile for sm_90
-    without register spills."""
+    bf16 / fp8 / nvfp4 kernels (each with its prefill attend launch: 4 kernels) compile for sm_90
+    without register spills; the nvfp4 split attend runs f16 mma on dequantized fragments."""
     import subprocess
 
     ks = {f"attn_{kv or 'bf16'}": kernel_set("cuda", kv).paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16)
           .with_attr("global_symbol", f"attn_{kv or 'bf16'}") for kv in (None, "fp8", "nvfp4")}
     src, _ = _attn_check().cuda_source(ks)
     assert "__launch_bounds__(128, 2) attn_bf16_kernel_1(" in src and "mma.sync.aligned.m16n8k16" in src
+    assert "ninfer_attn_nvfp4_f16x8(" in src.split("attn_nvfp4_kernel_2(")[-1]
     (tmp_path / "attn.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math",  # the flags TVM's nvcc path uses
                         "--ptxas-options=-v,--register-usage-level=10", str(tmp_path / "attn.cu"),
                         "-o", str(tmp_path / "attn.cubin")], capture_output=True, text=True, check=True)
     spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    assert len(spills) == 10 and set(spills) == {"0"}, r.stderr
+    assert len(spills) == 12 and set(spills) == {"0"}, r.stderr
 
 
 # ---- NVFP4 decode GEMV (compile/kernels/cuda/gemv.py gemv_nvfp4) ----------------------------------

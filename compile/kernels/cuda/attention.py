@@ -31,13 +31,21 @@ Three launches inside the one prim_func (stream order is the barrier between the
                     words with 16-bit permutes, B = the lane's own P (bf16 / f16, packed with
                     cvt.rn) exactly in the layout the S fragment left it.
      Lane (g, t) ends with heads 2t, 2t+1 x columns 64q + 8g + 0..7 in 4*D/16 fp32 registers.
+     nvfp4 pages (D = 256, 16-bit activations) take the same path with f16 mma on fragments dequantized
+     in registers (every code x block scale is exact in f16): lane (g, t) loads 32 code bytes of K rows
+     g and 8+g (columns 64t..64t+63; its k order: word s of f16 pairs (0,2) (1,3) (4,6) (5,7) of columns
+     64t + 8s, Q staged in shared memory in that order) and 16 code bytes of V rows 2t, 2t+1, 2t+8, 2t+9
+     (columns 32g..32g+31, so the lane ends with columns 32g + 8q + 0..7), plus their scale bytes: 8
+     16-byte and 6 4-byte loads per 16 positions (72 + 72 bytes per lane instead of 256 + 256), then per
+     8 codes 2 byte permutes (magnitude from the f16 high bytes, sign), 1 f16x2 multiply by the scale.
      SIMT path (f32 pages, fp8 / nvfp4 pages, small or odd geometries): lane l owns the D/32
      contiguous columns of Q (fp32 registers), of every K/V row it reads (16-byte loads where the
      row layout allows) and of the accumulators. Per batch of QB positions each lane forms
      G x QB partial dot products; a transposing butterfly (halve the position set on lane bits 16,
      8, 4, then full xor reduce) leaves lane l with the scores of position l >> (5 - log2 QB) for
      all heads (~G*(QB+1) shuffles per QB positions); P.V shuffles each p from its lane.
-  2'. prefill attend (bf16 / f16 pages of the activation dtype, D % 64 == 0; calls with n >= prefill_min
+  2'. prefill attend (bf16 / f16 pages of the activation dtype, or fp8 / nvfp4 pages under bf16 activations,
+     D % 64 == 0; calls with n >= prefill_min
      = 64 tokens, a host-side branch; nsplit is then 1): FlashAttention-2 (prefill_source, CUDA source
      called from a thin launch). Grid (ceil(n G / 64), Hkv) x 128 threads, 99 KB dynamic shared memory
      (D = 256). A block takes 64 rows R = i G + h (token i, query head h of KV head blockIdx.y; late
@@ -47,6 +55,9 @@ Three launches inside the one prim_func (stream order is the barrier between the
      ldmatrix, V by ldmatrix.trans, P re-packed from the S accumulators), online softmax in base 2 per
      row, mask: position <= the row's position and row of the pass's sequence. A tile whose rows span
      several sequences walks each sequence's pages in its own pass (rows of other sequences masked).
+     Quantized pages: each thread loads its (row, 16-column block) units of the next K/V tile into
+     registers before the mma work on the current tile and dequantizes them (exact, branch-free
+     integer decoders) into the other bf16 shared buffer after it.
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
@@ -58,8 +69,9 @@ Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and 
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
 for nvfp4 a lane per 16-element block (amax, E4M3 scale, E2M1 codes, packed bytes), for fp8 the
 lanes split the row, reduce the row amax with shuffles and write the E4M3 codes and the E8M0 byte.
-The attend launch (SIMT path) loads the row bytes with 4-byte loads where the row layout allows
-and dequantizes each element to fp32 exactly (code x row / block scale). TVM compiles CUDA with
+The split attend launch (SIMT path: fp8, odd geometries) loads the row bytes with 4-byte loads where
+the row layout allows and dequantizes each element once per position to fp32 exactly (code x row /
+block scale) with branch-free integer decoders (a Select on a loaded code compiles to an if / else). TVM compiles CUDA with
 --use_fast_math (approximate division, flush-to-zero), so the encoders use IEEE __fdiv_rn and find
 amax by comparing integer bit patterns (subnormals and NaN handled like the llvm kernel).
 """
@@ -127,6 +139,31 @@ __forceinline__ __device__ unsigned ninfer_attn_pack_{t}x2(float lo, float hi) {
 }
 
 
+# nvfp4 pages on tensor cores (f16 mma). NVFP4_F16X8: the 8 E2M1 codes of a word (element x in nibble x)
+# times the block scale as 4 f16x2 words holding elements (0, 2), (1, 3), (4, 6), (5, 7): magnitudes by one
+# byte permute from the f16 high bytes of (0, .5, 1, 1.5, 2, 3, 4, 6) (low bytes 0), signs by a second
+# permute (the code's sign bit is its nibble's top bit), then one f16x2 multiply (exact: code x scale has
+# at most 6 significant bits in [2^-10, 2688]). E4M3_F16X2: the block-scale byte as an f16x2 pair.
+NVFP4_F16X8_FN, NVFP4_F16X8_SRC = "ninfer_attn_nvfp4_f16x8", _dev_src("""
+__forceinline__ __device__ void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w, unsigned s2) {
+  const unsigned src[4] = {w << 4, w, w >> 12, w >> 16};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned mag = __byte_perm(0x3E3C3800u, 0x46444240u, src[k] & 0x7070u);
+    const unsigned h = mag | (__byte_perm(src[k], 0u, 0x1404u) & 0x80008000u);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[k]) : "r"(h), "r"(s2));
+  }
+}""")
+E4M3_F16X2_FN, E4M3_F16X2_SRC = "ninfer_attn_e4m3_f16x2", _dev_src("""
+__forceinline__ __device__ unsigned ninfer_attn_e4m3_f16x2(unsigned b) {
+  unsigned r;
+  const unsigned short x = (unsigned short)((b & 0xFFu) * 0x101u);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}""")
+NVFP4_F16_PERM = ((0, 2), (1, 3), (4, 6), (5, 7))  # elements of the f16x2 words of NVFP4_F16X8
+
+
 def _fdiv_rn(a, b):
     """IEEE round-to-nearest fp32 division (TVM builds CUDA with --use_fast_math)."""
     return tirx.call_pure_extern("float32", "__fdiv_rn", a, b)
@@ -185,10 +222,13 @@ def _pow2_div(x: int, cap: int) -> int:
 
 
 def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
-    """The tensor-core attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0 and at
-    most 8 query heads per KV head (the heads are the N = 8 side of the P.V mma)."""
+    """The tensor-core attend path: at most 8 query heads per KV head (the heads are the N = 8 side of the
+    P.V mma) and 16-bit pages of the activation dtype with head_dim % 64 == 0, or nvfp4 pages with
+    head_dim 256 under 16-bit activations (f16 mma: every dequantized nvfp4 value is exact in f16)."""
     kv = kv_dtype or dtype
-    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads // n_kv <= 8
+    if n_heads // n_kv > 8 or dtype not in ("bfloat16", "float16"):
+        return False
+    return (kv == dtype and head_dim % 64 == 0) or (kv == "nvfp4" and head_dim == 256)
 
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
@@ -201,8 +241,8 @@ def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: 
     W = max(1, min(_pow2_floor(threads // 32), 16))
     if dtype is not None and (mma if mma is not None else True) and mma_applies(n_heads, n_kv, head_dim, dtype,
                                                                                  kv_dtype):
-        return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16, esize=2,
-                    min_blocks=max(1, 8 // W))
+        return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16,
+                    esize=0.5 if kv_dtype == "nvfp4" else 2, min_blocks=max(1, 8 // W))
     if kv_dtype in ("float32", "bfloat16", "float16"):
         esize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
         mode = "vec"
@@ -640,12 +680,15 @@ def paged_attention(
     RBV = row_bytes // VEC  # row length in vectors
     MMA = bool(mma) if mma is not None else mma_ok
     if MMA and not mma_ok:
-        raise ValueError(f"the tensor-core path needs {dtype} == KV dtype in (bfloat16, float16), head_dim % 64 == 0 "
-                         f"and at most 8 query heads per KV head (got {kv_dt}, {head_dim}, {G})")
+        raise ValueError(f"the tensor-core path needs {dtype} == KV dtype in (bfloat16, float16), head_dim % 64 == 0, "
+                         f"or nvfp4 KV with head_dim 256, and at most 8 query heads per KV head "
+                         f"(got {kv_dt}, {head_dim}, {G})")
     NSLAB = D // 32  # 32-column slabs of a K row (two k16 steps each)
     NQ = D // 64  # 64-column groups of a V row (four 16-row m tiles each)
     NACC = NQ * 16  # fp32 accumulators per lane (heads 2tig, 2tig+1 x 8 columns per group)
-    RBW = D // 8 if MMA else 1  # row length in 16-byte units (uint32 x 4)
+    MMAQ = MMA and nvfp4  # tensor cores over nvfp4 pages (f16 mma on fragments dequantized in registers)
+    RBW = (row_bytes // 16 if quant else D // 8) if MMA else 1  # row length in 16-byte units (uint32 x 4)
+    RBU = row_bytes // 4  # row length in 32-bit words
     QROW = D // 2 + 16  # words per Q row in shared memory (padded: a 16-byte read of rows g, g+1 is conflict-free)
     MIN_BLOCKS = plan["min_blocks"]  # attend blocks per SM the register budget must allow (8 warps)
     MMA_FN, MMA_SRC = _MMA_SRC["bfloat16" if kv_dt == "bfloat16" else "float16"]
@@ -721,12 +764,41 @@ def paged_attention(
         ns = T.Cast("int64", _nsplit(n, p))
         return T.Select(ns > 1, n * n_heads * ns * per, T.int64(1))
 
+    NKLD = 2 * 2 if MMAQ else 2 * NSLAB  # 16-byte K / V loads per lane and batch
+    NVLD = 4 if MMAQ else 4 * NQ
+    PACKH_FN, PACKH_SRC = _PACK_SRC["float16"]
+
+    def _or_scales(ksc, vsc):
+        """nvfp4: OR of the batch's block-scale words (the zero dependency also holds their loads before the
+        first mma: ptxas sinks them next to their use otherwise); 0 for 16-bit pages."""
+        if not MMAQ:
+            return T.uint32(0)
+        return ksc[0] | ksc[1] | vsc[0] | vsc[1] | vsc[2] | vsc[3]
+
+    def _qcol(q, i, g, wi, off):
+        """fp32 Q element of the nvfp4 fragment order: word wi of the staged rows (see the Q staging)."""
+        r, c = wi // (D // 2), wi % (D // 2)
+        col = 64 * (c // 4 % 4) + 8 * (c // 16) + c % 4 % 2 + 4 * (c % 4 // 2) + off
+        return T.Cast("float32", q[i, g * G + T.min(r, G - 1), col])
+
+    def _vw(vr, fd, rr, q0, j):
+        """f16x2 / bf16x2 word j of V row rr, column group q0 (the P.V A fragment's source)."""
+        return fd[rr * 4 + j] if MMAQ else vr[(rr * NQ + q0) * 4 + j]
+
+    def _ocol(j, r):
+        """column (of the lane's 8) of accumulator element r of m tile j."""
+        return j % 2 + 4 * (j // 2) + 2 * r if MMAQ else 2 * j + r
+
+    def _ogrp(q0, gid):
+        """the lane's 8-column group (16-byte unit of a bf16 row) of column group q0."""
+        return 4 * gid + q0 if MMAQ else 8 * q0 + gid
+
     def _ws(i, h, s, n, p):
         """int64 flat index of (token i, q head h, split s) in the workspace (times per-entry size)."""
         return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p)) + T.Cast("int64", s)
 
     @T.macro
-    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov):
+    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov):
         # the split attend launch (decode, few rows, other page formats) ------------------------------------------
         if MMA:
             # tensor-core path (bf16 / f16 pages of the activation dtype), see the module docstring
@@ -745,6 +817,9 @@ def paged_attention(
                             tm = T.alloc_buffer((4,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((8,), dtype, scope="local")
+                            ksc = T.alloc_buffer((2,), "uint32", scope="local")  # nvfp4: block-scale words
+                            vsc = T.alloc_buffer((4,), "uint32", scope="local")
+                            fd = T.alloc_buffer((4 * 4,), "uint32", scope="local")  # nvfp4: dequantized f16x2
                             mg = T.alloc_buffer((WH * 32 * (NACC + 4),), "float32", scope="shared")
                             qsm4 = T.decl_buffer((2 * QROW, 4), "uint32", data=qsm.data, scope="shared")
                             w = tx // 32
@@ -761,10 +836,18 @@ def paged_attention(
                             # conflicts), rows G..7 zero; read as mma fragments in the loop
                             for e in range((8 * D // 2 + NT - 1) // NT):
                                 if e * NT + tx < 8 * D // 2:
-                                    qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
-                                        (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
-                                            (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
-                                        T.uint32(0))
+                                    if MMAQ:
+                                        # f16 pairs in the k order of the nvfp4 fragments: word k of 16-byte unit
+                                        # 4 s0 + t holds columns c + PERM[k], c = 64 t + 8 s0
+                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                            (e * NT + tx) // (D // 2) < G, T.cuda.func_call(
+                                                PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 2),
+                                                source_code=PACKH_SRC, return_type="uint32"), T.uint32(0))
+                                    else:
+                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                            (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
+                                                (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
+                                            T.uint32(0))
                             T.tvm_storage_sync("shared")
                             with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS):
                                 # __launch_bounds__(NT, 8 warps / W): without a minimum ptxas caps the registers
@@ -780,30 +863,54 @@ def paged_attention(
                                     2 * n_kv * PS * RBW) + T.Cast("int64", g) * (PS * RBW)
                                 for bt in range(CHUNK // 16):
                                     if t0 + bt * 16 < L:
-                                        # -- K rows gid (tile 0) and 8 + gid (tile 1), 16 bytes per 32-column slab
-                                        # (volatile asm loads: all 16 are issued before the first mma)
-                                        for tile in T.unroll(2):
-                                            for s0 in T.unroll(NSLAB):
-                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * NSLAB + s0) * 4]),
-                                                    T.address_of(poolw[
-                                                        rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                            tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
-                                                        + T.Cast("int64", 4 * s0 + tig), 0]), source_code=LD_SRC))
-                                        # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9; columns 64q + 8gid + 0..7
-                                        for rr in T.unroll(4):
-                                            for q0 in T.unroll(NQ):
-                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[(rr * NQ + q0) * 4]),
+                                        if MMAQ:
+                                            # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
+                                            # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
+                                            for tile in T.unroll(2):
+                                                for u in T.unroll(2):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * 2 + u) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 2 * tig + u), 0]), source_code=LD_SRC))
+                                                ksc[tile] = poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                    tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4 + T.Cast("int64", D // 8 + tig)]
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9: code bytes 16 gid .. +15 (word q0 =
+                                            # columns 32 gid + 8 q0 + 0..7), the scale pair of blocks 2 gid, 2 gid + 1
+                                            for rr in T.unroll(4):
+                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[rr * 4]),
                                                     T.address_of(poolw[
                                                         rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
                                                             2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW
-                                                        + T.Cast("int64", 8 * q0 + gid), 0]), source_code=LD_SRC))
+                                                        + T.Cast("int64", gid), 0]), source_code=LD_SRC))
+                                                vsc[rr] = poolu[(rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                    2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW) * 4
+                                                    + T.Cast("int64", D // 8 + gid // 2)] >> T.Cast("uint32", 16 * (gid % 2))
+                                        else:
+                                            # -- K rows gid (tile 0) and 8 + gid (tile 1), 16 bytes per 32-column slab
+                                            # (volatile asm loads: all 16 are issued before the first mma)
+                                            for tile in T.unroll(2):
+                                                for s0 in T.unroll(NSLAB):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * NSLAB + s0) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 4 * s0 + tig), 0]), source_code=LD_SRC))
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9; columns 64q + 8gid + 0..7
+                                            for rr in T.unroll(4):
+                                                for q0 in T.unroll(NQ):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[(rr * NQ + q0) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                                2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 8 * q0 + gid), 0]), source_code=LD_SRC))
                                         # -- S = Q K^T: rows = heads, columns = 8 positions per tile
                                         # scores start at +0.0 computed from a word of every K and V vector of the
                                         # batch ANDed with a runtime zero (layer >> 30): ptxas must then issue all 32
                                         # loads before the first mma (otherwise it sinks some past the mma, and the
                                         # warp stalls on K before it requests the rest: two round trips per batch)
                                         tm[0] = T.reinterpret("float32", T.Cast("uint32", T.shift_right(layer, 30)) & (
-                                            _or_words(vr, 4 * NQ) | _or_words(kr, 2 * NSLAB)))
+                                            _or_words(vr, NVLD) | _or_words(kr, NKLD) | _or_scales(ksc, vsc)))
                                         for r in T.unroll(8):
                                             sc[r] = tm[0]
                                         for s0 in T.unroll(NSLAB):
@@ -811,12 +918,25 @@ def paged_attention(
                                             for e in T.vectorized(4):
                                                 qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
                                             for tile in T.unroll(2):
-                                                for hk in T.unroll(2):
+                                                if MMAQ:
+                                                    # word s0 of the row: 8 codes, scale byte s0 // 2 of the lane's 4
                                                     T.evaluate(T.cuda.func_call(
-                                                        MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
-                                                        qf[2 * hk + 1], T.uint32(0),
-                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk],
-                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
+                                                        NVFP4_F16X8_FN, T.address_of(fd[0]), kr[tile * 8 + s0],
+                                                        T.cuda.func_call(E4M3_F16X2_FN, ksc[tile] >> T.Cast("uint32", 8 * (s0 // 2)),
+                                                                         source_code=E4M3_F16X2_SRC, return_type="uint32"),
+                                                        source_code=NVFP4_F16X8_SRC))
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                            source_code=MMA_SRC))
+                                                else:
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0),
+                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk],
+                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
                                         # -- online softmax of head gid over the 16 positions (4 per lane)
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
@@ -844,17 +964,25 @@ def paged_attention(
                                             acc[a] = acc[a] * tm[2 + a % 2]
                                         # -- O^T += V^T P^T: rows = columns of V, columns = heads
                                         for q0 in T.unroll(NQ):
+                                            if MMAQ:
+                                                # word q0 of the 4 V rows as f16x2 (columns 32 gid + 8 q0 + PERM[j])
+                                                for rr in T.unroll(4):
+                                                    T.evaluate(T.cuda.func_call(
+                                                        NVFP4_F16X8_FN, T.address_of(fd[rr * 4]), vr[rr * 4 + q0],
+                                                        T.cuda.func_call(E4M3_F16X2_FN, vsc[rr] >> T.Cast("uint32", 8 * (q0 // 2)),
+                                                                         source_code=E4M3_F16X2_SRC, return_type="uint32"),
+                                                        source_code=NVFP4_F16X8_SRC))
                                             for j in T.unroll(4):
                                                 T.evaluate(T.cuda.func_call(
                                                     MMA_FN, T.address_of(acc[(q0 * 4 + j) * 4]),
-                                                    (vr[(0 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
-                                                    | (vr[(1 * NQ + q0) * 4 + j] << T.uint32(16)),
-                                                    (vr[(0 * NQ + q0) * 4 + j] >> T.uint32(16))
-                                                    | (vr[(1 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
-                                                    (vr[(2 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
-                                                    | (vr[(3 * NQ + q0) * 4 + j] << T.uint32(16)),
-                                                    (vr[(2 * NQ + q0) * 4 + j] >> T.uint32(16))
-                                                    | (vr[(3 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
+                                                    (_vw(vr, fd, 0, q0, j) & T.uint32(0xFFFF))
+                                                    | (_vw(vr, fd, 1, q0, j) << T.uint32(16)),
+                                                    (_vw(vr, fd, 0, q0, j) >> T.uint32(16))
+                                                    | (_vw(vr, fd, 1, q0, j) & T.uint32(0xFFFF0000)),
+                                                    (_vw(vr, fd, 2, q0, j) & T.uint32(0xFFFF))
+                                                    | (_vw(vr, fd, 3, q0, j) << T.uint32(16)),
+                                                    (_vw(vr, fd, 2, q0, j) >> T.uint32(16))
+                                                    | (_vw(vr, fd, 3, q0, j) & T.uint32(0xFFFF0000)),
                                                     pk[0], pk[1], source_code=MMA_SRC))
                             # row sums over the quad, then (max, sum) of heads 2tig, 2tig+1 into st[2..5]
                             st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1, 32, 32)
@@ -889,20 +1017,21 @@ def paged_attention(
                                         if _nsplit(n, p) == 1:
                                             for q0 in T.unroll(NQ):
                                                 for j in T.unroll(4):
-                                                    ob[2 * j] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + hb] / st[3 + 2 * hb])
-                                                    ob[2 * j + 1] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + 2 + hb] / st[3 + 2 * hb])
+                                                    for r in T.unroll(2):
+                                                        ob[_ocol(j, r)] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + 2 * r + hb]
+                                                                                 / st[3 + 2 * hb])
                                                 for e in T.vectorized(8):
                                                     outv[(T.Cast("int64", i) * n_heads + g * G + 2 * tig + hb) * (D // 8)
-                                                         + 8 * q0 + gid, e] = ob[e]
+                                                         + _ogrp(q0, gid), e] = ob[e]
                                         else:
                                             for q0 in T.unroll(NQ):
                                                 for j in T.unroll(4):
                                                     for r in T.unroll(2):
-                                                        sc[2 * j + r] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
+                                                        sc[_ocol(j, r)] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
                                                 for v0 in T.unroll(8 // CVEC):
                                                     for e in T.vectorized(CVEC):
                                                         ws_ov[_ws(i, g * G + 2 * tig + hb, s, n, p) * (D // CVEC)
-                                                              + T.Cast("int64", (64 * q0 + 8 * gid) // CVEC + v0), e] = sc[
+                                                              + T.Cast("int64", 8 * _ogrp(q0, gid) // CVEC + v0), e] = sc[
                                                             v0 * CVEC + e]
                                             if gid == 0:
                                                 ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2] = st[2 + 2 * hb]
@@ -1094,6 +1223,7 @@ def paged_attention(
         out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
         poolv = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBV), VEC), pool_dt, data=pool.data)
         poolw = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBW), 4), "uint32", data=pool.data)
+        poolu = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBU),), "uint32", data=pool.data)
         qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
         outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
         ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
@@ -1170,9 +1300,9 @@ def paged_attention(
                                     T.address_of(out[0, 0, 0]), T.Cast("int32", n), T.Cast("int32", p), layer,
                                     smem.data, source_code=PF_SRC))
             else:
-                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
+                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         else:
-            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
+            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         # ---- 3. combine split partials -------------------------------------------------------------
         # block (token, q head), CW warps. Every warp reads all (max, sum) pairs (lane-strided,
         # registers), reduces max and denominator with shuffles; warp 0 stores the split weights
