@@ -1037,7 +1037,7 @@ static inline unsigned ninfer_moe_bf16x2_mul(unsigned a, unsigned b) {
   float lo = emu_h2f_bf16(a & 0xffffu) * emu_h2f_bf16(b & 0xffffu), hi = emu_h2f_bf16(a >> 16) * emu_h2f_bf16(b >> 16);
   return (unsigned)nv_bfloat16(lo).b | ((unsigned)nv_bfloat16(hi).b << 16);
 }
-// ---- qattn: nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3_F16X2_SRC) --------
+// ---- qattn: fp8 / nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3*_F16X2_SRC) --
 static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of the byte pair (b, b)
   b &= 0xFFu;
   const unsigned e = (b >> 3) & 15u, m = b & 7u;
@@ -1046,6 +1046,10 @@ static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of 
   _Float16 h = (_Float16)v;
   uint16_t u; memcpy(&u, &h, 2);
   return (unsigned)u * 0x10001u;
+}
+static unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {  // cvt.rn.f16x2.e4m3x2 of the low 16 bits
+  const unsigned lo = ninfer_attn_e4m3_f16x2(w & 0xFFu), hi = ninfer_attn_e4m3_f16x2((w >> 8) & 0xFFu);
+  return (lo & 0xFFFFu) | (hi & 0xFFFF0000u);
 }
 static void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w, unsigned s2) {  // pairs (0,2) (1,3) (4,6) (5,7) x scale
   static const float mag[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};

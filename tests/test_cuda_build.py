@@ -291,8 +291,8 @@ def test_attention_reference_matches_llvm_kernel():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_attention_cuda_source_on_cpu_emulator():
-    """The generated CUDA of the paged attention (tensor-core split path for bf16 and nvfp4 pages, SIMT
-    path for f32 / fp8; the prefill launch over fp8 / nvfp4 pages) run on the CPU emulator (fibers per
+    """The generated CUDA of the paged attention (tensor-core split path for bf16, fp8 and nvfp4 pages,
+    SIMT path for f32; the prefill launch over fp8 / nvfp4 pages) run on the CPU emulator (fibers per
     thread; shuffles, barriers and mma.m16n8k16 emulated) matches the float64 reference; appended page
     bytes are exact."""
     C = _attn_check()
@@ -309,7 +309,7 @@ def test_attention_cuda_source_on_cpu_emulator():
 def test_attention_kernels_compile_without_spills(tmp_path):
     """27B geometry: the bf16 attend kernel takes the tensor-core path with __launch_bounds__(128, 2);
     bf16 / fp8 / nvfp4 kernels (each with its prefill attend launch: 4 kernels) compile for sm_90
-    without register spills; the nvfp4 split attend runs f16 mma on dequantized fragments."""
+    without register spills; the fp8 / nvfp4 split attends run f16 mma on converted / dequantized fragments."""
     import subprocess
 
     ks = {f"attn_{kv or 'bf16'}": kernel_set("cuda", kv).paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16)
@@ -317,6 +317,7 @@ def test_attention_kernels_compile_without_spills(tmp_path):
     src, _ = _attn_check().cuda_source(ks)
     assert "__launch_bounds__(128, 2) attn_bf16_kernel_1(" in src and "mma.sync.aligned.m16n8k16" in src
     assert "ninfer_attn_nvfp4_f16x8(" in src.split("attn_nvfp4_kernel_2(")[-1]
+    assert "ninfer_attn_e4m3x2_f16x2(" in src.split("attn_fp8_kernel_2(")[-1].split("attn_fp8_kernel_3(")[0]
     (tmp_path / "attn.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math",  # the flags TVM's nvcc path uses
                         "--ptxas-options=-v,--register-usage-level=10", str(tmp_path / "attn.cu"),

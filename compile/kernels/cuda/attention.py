@@ -38,7 +38,13 @@ Three launches inside the one prim_func (stream order is the barrier between the
      (columns 32g..32g+31, so the lane ends with columns 32g + 8q + 0..7), plus their scale bytes: 8
      16-byte and 6 4-byte loads per 16 positions (72 + 72 bytes per lane instead of 256 + 256), then per
      8 codes 2 byte permutes (magnitude from the f16 high bytes, sign), 1 f16x2 multiply by the scale.
-     SIMT path (f32 pages, fp8 / nvfp4 pages, small or odd geometries): lane l owns the D/32
+     fp8 pages (16-bit activations) take it with the bf16 path's columns (rows of D + 4 bytes: 4-byte
+     loads), each pair of E4M3 codes converted to f16x2 by one cvt; the K row exponent scales the lane's
+     scores, the V row exponent e joins the P.V weights: P = 2^(s + e - mv) in f16 with mv the running
+     max of s + e (so P stays in [0, 1] whatever the row scales), the sums keep 2^(s - m), and the
+     accumulators are brought back by 2^(mv - m) before the warps merge. Both stage Q in shared memory
+     as f16 (bf16 Q values are exact in f16 between 2^-14 and 65504; larger ones would overflow).
+     SIMT path (f32 pages, quantized pages of other geometries, small or odd ones): lane l owns the D/32
      contiguous columns of Q (fp32 registers), of every K/V row it reads (16-byte loads where the
      row layout allows) and of the accumulators. Per batch of QB positions each lane forms
      G x QB partial dot products; a transposing butterfly (halve the position set on lane bits 16,
@@ -69,7 +75,7 @@ Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and 
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
 for nvfp4 a lane per 16-element block (amax, E4M3 scale, E2M1 codes, packed bytes), for fp8 the
 lanes split the row, reduce the row amax with shuffles and write the E4M3 codes and the E8M0 byte.
-The split attend launch (SIMT path: fp8, odd geometries) loads the row bytes with 4-byte loads where
+The split attend launch (SIMT path: odd geometries, f32 activations) loads the row bytes with 4-byte loads where
 the row layout allows and dequantizes each element once per position to fp32 exactly (code x row /
 block scale) with branch-free integer decoders (a Select on a loaded code compiles to an if / else). TVM compiles CUDA with
 --use_fast_math (approximate division, flush-to-zero), so the encoders use IEEE __fdiv_rn and find
@@ -162,6 +168,14 @@ __forceinline__ __device__ unsigned ninfer_attn_e4m3_f16x2(unsigned b) {
   return r;
 }""")
 NVFP4_F16_PERM = ((0, 2), (1, 3), (4, 6), (5, 7))  # elements of the f16x2 words of NVFP4_F16X8
+# fp8 pages on tensor cores: the two E4M3 codes of the low 16 bits of w as an f16x2 pair (exact)
+E4M3X2_F16X2_FN, E4M3X2_F16X2_SRC = "ninfer_attn_e4m3x2_f16x2", _dev_src("""
+__forceinline__ __device__ unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {
+  unsigned r;
+  const unsigned short x = (unsigned short)(w & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}""")
 
 
 def _fdiv_rn(a, b):
@@ -223,12 +237,15 @@ def _pow2_div(x: int, cap: int) -> int:
 
 def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
     """The tensor-core attend path: at most 8 query heads per KV head (the heads are the N = 8 side of the
-    P.V mma) and 16-bit pages of the activation dtype with head_dim % 64 == 0, or nvfp4 pages with
-    head_dim 256 under 16-bit activations (f16 mma: every dequantized nvfp4 value is exact in f16)."""
+    P.V mma) and 16-bit pages of the activation dtype with head_dim % 64 == 0, nvfp4 pages with
+    head_dim 256 or fp8 pages with head_dim % 64 == 0 under 16-bit activations (f16 mma: every
+    dequantized nvfp4 value and every E4M3 code is exact in f16; fp8 row exponents scale the scores and
+    join the P.V weights' exponent)."""
     kv = kv_dtype or dtype
     if n_heads // n_kv > 8 or dtype not in ("bfloat16", "float16"):
         return False
-    return (kv == dtype and head_dim % 64 == 0) or (kv == "nvfp4" and head_dim == 256)
+    return (kv == dtype and head_dim % 64 == 0) or (kv == "nvfp4" and head_dim == 256) or (
+        kv == "fp8" and head_dim % 64 == 0)
 
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
@@ -242,7 +259,7 @@ def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: 
     if dtype is not None and (mma if mma is not None else True) and mma_applies(n_heads, n_kv, head_dim, dtype,
                                                                                  kv_dtype):
         return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16,
-                    esize=0.5 if kv_dtype == "nvfp4" else 2, min_blocks=max(1, 8 // W))
+                    esize={"nvfp4": 0.5, "fp8": 1}.get(kv_dtype, 2), min_blocks=max(1, 8 // W))
     if kv_dtype in ("float32", "bfloat16", "float16"):
         esize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
         mode = "vec"
@@ -687,7 +704,8 @@ def paged_attention(
     NQ = D // 64  # 64-column groups of a V row (four 16-row m tiles each)
     NACC = NQ * 16  # fp32 accumulators per lane (heads 2tig, 2tig+1 x 8 columns per group)
     MMAQ = MMA and nvfp4  # tensor cores over nvfp4 pages (f16 mma on fragments dequantized in registers)
-    RBW = (row_bytes // 16 if quant else D // 8) if MMA else 1  # row length in 16-byte units (uint32 x 4)
+    MMA8 = MMA and kv_dt == "fp8"  # tensor cores over fp8 pages (f16 mma on the converted codes, row exponents)
+    RBW = (row_bytes // 16 if nvfp4 else 1 if quant else D // 8) if MMA else 1  # row in 16-byte units (uint32 x 4)
     RBU = row_bytes // 4  # row length in 32-bit words
     QROW = D // 2 + 16  # words per Q row in shared memory (padded: a 16-byte read of rows g, g+1 is conflict-free)
     MIN_BLOCKS = plan["min_blocks"]  # attend blocks per SM the register budget must allow (8 warps)
@@ -766,24 +784,39 @@ def paged_attention(
 
     NKLD = 2 * 2 if MMAQ else 2 * NSLAB  # 16-byte K / V loads per lane and batch
     NVLD = 4 if MMAQ else 4 * NQ
+    RBX = RBU if MMA8 else RBW  # unit of the row base rb (fp8 rows: 4-byte words)
+
+    def _kexp(ksc, r):
+        """fp8: 2^(e - 127) of the K row of score r (E8M0 byte e); 1 otherwise."""
+        return pow2_from_e8m0(ksc[r] & T.uint32(0xFF)) if MMA8 else T.float32(1)
     PACKH_FN, PACKH_SRC = _PACK_SRC["float16"]
 
-    def _or_scales(ksc, vsc):
+    def _or_scales(ksc, vsc, kr_all=None, vr_all=None):
         """nvfp4: OR of the batch's block-scale words (the zero dependency also holds their loads before the
         first mma: ptxas sinks them next to their use otherwise); 0 for 16-bit pages."""
+        if MMA8:  # (and the second word of every 8-byte K / V piece)
+            e = ksc[0] | ksc[1] | ksc[2] | ksc[3] | vsc[0] | vsc[1] | vsc[2] | vsc[3]
+            for k_ in range(2 * NSLAB):
+                e = e | kr_all[k_ * 4 + 1]
+            for k_ in range(4 * NQ):
+                e = e | vr_all[k_ * 4 + 1]
+            return e
         if not MMAQ:
             return T.uint32(0)
         return ksc[0] | ksc[1] | vsc[0] | vsc[1] | vsc[2] | vsc[3]
 
     def _qcol(q, i, g, wi, off):
-        """fp32 Q element of the nvfp4 fragment order: word wi of the staged rows (see the Q staging)."""
+        """fp32 Q element off (0: low, 1: high half) of word wi of the staged f16 rows (see the Q staging)."""
         r, c = wi // (D // 2), wi % (D // 2)
-        col = 64 * (c // 4 % 4) + 8 * (c // 16) + c % 4 % 2 + 4 * (c % 4 // 2) + off
+        if MMA8:  # the natural column order of the 16-bit path
+            col = 2 * c + off
+        else:
+            col = 64 * (c // 4 % 4) + 8 * (c // 16) + c % 4 % 2 + 4 * (c % 4 // 2) + 2 * off
         return T.Cast("float32", q[i, g * G + T.min(r, G - 1), col])
 
     def _vw(vr, fd, rr, q0, j):
         """f16x2 / bf16x2 word j of V row rr, column group q0 (the P.V A fragment's source)."""
-        return fd[rr * 4 + j] if MMAQ else vr[(rr * NQ + q0) * 4 + j]
+        return fd[rr * 4 + j] if MMAQ or MMA8 else vr[(rr * NQ + q0) * 4 + j]
 
     def _ocol(j, r):
         """column (of the lane's 8) of accumulator element r of m tile j."""
@@ -813,11 +846,11 @@ def paged_attention(
                             vr = T.alloc_buffer((4 * NQ * 4,), "uint32", scope="local")
                             sc = T.alloc_buffer((8,), "float32", scope="local")
                             pk = T.alloc_buffer((2,), "uint32", scope="local")
-                            st = T.alloc_buffer((6,), "float32", scope="local")
+                            st = T.alloc_buffer((8,), "float32", scope="local")
                             tm = T.alloc_buffer((4,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((8,), dtype, scope="local")
-                            ksc = T.alloc_buffer((2,), "uint32", scope="local")  # nvfp4: block-scale words
+                            ksc = T.alloc_buffer((4,), "uint32", scope="local")  # nvfp4 / fp8: scale words
                             vsc = T.alloc_buffer((4,), "uint32", scope="local")
                             fd = T.alloc_buffer((4 * 4,), "uint32", scope="local")  # nvfp4: dequantized f16x2
                             mg = T.alloc_buffer((WH * 32 * (NACC + 4),), "float32", scope="shared")
@@ -836,12 +869,12 @@ def paged_attention(
                             # conflicts), rows G..7 zero; read as mma fragments in the loop
                             for e in range((8 * D // 2 + NT - 1) // NT):
                                 if e * NT + tx < 8 * D // 2:
-                                    if MMAQ:
+                                    if MMAQ or MMA8:
                                         # f16 pairs in the k order of the nvfp4 fragments: word k of 16-byte unit
                                         # 4 s0 + t holds columns c + PERM[k], c = 64 t + 8 s0
                                         qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
                                             (e * NT + tx) // (D // 2) < G, T.cuda.func_call(
-                                                PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 2),
+                                                PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 1),
                                                 source_code=PACKH_SRC, return_type="uint32"), T.uint32(0))
                                     else:
                                         qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
@@ -853,6 +886,7 @@ def paged_attention(
                                 # __launch_bounds__(NT, 8 warps / W): without a minimum ptxas caps the registers
                                 # lower and sinks the batch's loads next to their mma (a round trip each)
                                 st[0] = T.float32(neg_big)  # running max of head gid (base 2)
+                            st[6] = T.float32(neg_big)  # fp8: running max of score + V row exponent
                             st[1] = T.float32(0)  # running sum of head gid (this lane's positions)
                             for a in T.unroll(NACC):
                                 acc[a] = T.float32(0)
@@ -860,10 +894,35 @@ def paged_attention(
                                 t0 = (c_lo + w + ci * W) * CHUNK
                                 page = pt[row, t0 // PS]
                                 rb[0] = (T.Cast("int64", page) * n_layers + T.Cast("int64", layer)) * (
-                                    2 * n_kv * PS * RBW) + T.Cast("int64", g) * (PS * RBW)
+                                    2 * n_kv * PS * RBX) + T.Cast("int64", g) * (PS * RBX)
                                 for bt in range(CHUNK // 16):
                                     if t0 + bt * 16 < L:
-                                        if MMAQ:
+                                        if MMA8:
+                                            # -- fp8 (rows of D + 4 bytes: 4-byte loads): the 16-bit path's columns,
+                                            # K rows gid, 8 + gid: 8 codes per 32-column slab (two words)
+                                            for tile in T.unroll(2):
+                                                for s0 in T.unroll(NSLAB):
+                                                    for u in T.unroll(2):
+                                                        kr[(tile * NSLAB + s0) * 4 + u] = poolu[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBU
+                                                            + T.Cast("int64", 8 * s0 + 2 * tig + u)]
+                                                # the row exponents of this lane's score positions tile * 8 + 2 tig + r
+                                                for r in T.unroll(2):
+                                                    ksc[tile * 2 + r] = poolu[rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                        tile * 8 + 2 * tig + r, L - 1 - t0 - bt * 16)) * RBU + T.Cast("int64", D // 4)]
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9: columns 64 q + 8 gid + 0..7, exponents
+                                            for rr in T.unroll(4):
+                                                for q0 in T.unroll(NQ):
+                                                    for u in T.unroll(2):
+                                                        vr[(rr * NQ + q0) * 4 + u] = poolu[
+                                                            rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                                2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBU
+                                                            + T.Cast("int64", 16 * q0 + 2 * gid + u)]
+                                                vsc[rr] = poolu[rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                    2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBU
+                                                    + T.Cast("int64", D // 4)]
+                                        elif MMAQ:
                                             # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
                                             # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
                                             for tile in T.unroll(2):
@@ -910,7 +969,7 @@ def paged_attention(
                                         # loads before the first mma (otherwise it sinks some past the mma, and the
                                         # warp stalls on K before it requests the rest: two round trips per batch)
                                         tm[0] = T.reinterpret("float32", T.Cast("uint32", T.shift_right(layer, 30)) & (
-                                            _or_words(vr, NVLD) | _or_words(kr, NKLD) | _or_scales(ksc, vsc)))
+                                            _or_words(vr, NVLD) | _or_words(kr, NKLD) | _or_scales(ksc, vsc, kr, vr)))
                                         for r in T.unroll(8):
                                             sc[r] = tm[0]
                                         for s0 in T.unroll(NSLAB):
@@ -918,7 +977,18 @@ def paged_attention(
                                             for e in T.vectorized(4):
                                                 qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
                                             for tile in T.unroll(2):
-                                                if MMAQ:
+                                                if MMA8:
+                                                    for j in T.unroll(4):
+                                                        fd[j] = T.cuda.func_call(
+                                                            E4M3X2_F16X2_FN, kr[(tile * NSLAB + s0) * 4 + j // 2] >> T.Cast(
+                                                                "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
+                                                            return_type="uint32")
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                            source_code=MMA_SRC))
+                                                elif MMAQ:
                                                     # word s0 of the row: 8 codes, scale byte s0 // 2 of the lane's 4
                                                     T.evaluate(T.cuda.func_call(
                                                         NVFP4_F16X8_FN, T.address_of(fd[0]), kr[tile * 8 + s0],
@@ -942,17 +1012,34 @@ def paged_attention(
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.Select(
                                                     T.And(gid < G, t0 + bt * 16 + tile * 8 + 2 * tig + r < L),
-                                                    sc[tile * 4 + r] * T.float32(scale2), T.float32("-inf"))
+                                                    sc[tile * 4 + r] * T.float32(scale2) * _kexp(ksc, tile * 2 + r),
+                                                    T.float32("-inf"))
                                         tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
                                         tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
                                         tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
                                         tm[0] = T.max(tm[0], st[0])
                                         tm[1] = T.exp2(st[0] - tm[0])
                                         st[0] = tm[0]
+                                        if MMA8:
+                                            # the denominator from 2^(s - m); the P.V weights 2^(s + e - mv) (e: V row
+                                            # exponent, mv: running max of s + e), so that P in f16 stays in [0, 1]
+                                            st[1] = st[1] * tm[1] + ((T.exp2(sc[0] - tm[0]) + T.exp2(sc[1] - tm[0]))
+                                                                     + (T.exp2(sc[4] - tm[0]) + T.exp2(sc[5] - tm[0])))
+                                            for tile in T.unroll(2):
+                                                for r in T.unroll(2):
+                                                    sc[tile * 4 + r] = sc[tile * 4 + r] + T.Cast("float32", T.Cast(
+                                                        "int32", vsc[tile * 2 + r] & T.uint32(0xFF)) - 127)
+                                            tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
+                                            tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
+                                            tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
+                                            tm[0] = T.max(tm[0], st[6])
+                                            tm[1] = T.exp2(st[6] - tm[0])
+                                            st[6] = tm[0]
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.exp2(sc[tile * 4 + r] - tm[0])
-                                        st[1] = st[1] * tm[1] + ((sc[0] + sc[1]) + (sc[4] + sc[5]))
+                                        if not MMA8:
+                                            st[1] = st[1] * tm[1] + ((sc[0] + sc[1]) + (sc[4] + sc[5]))
                                         pk[0] = T.cuda.func_call(PACK_FN, sc[0], sc[1], source_code=PACK_SRC,
                                                                  return_type="uint32")
                                         pk[1] = T.cuda.func_call(PACK_FN, sc[4], sc[5], source_code=PACK_SRC,
@@ -964,6 +1051,13 @@ def paged_attention(
                                             acc[a] = acc[a] * tm[2 + a % 2]
                                         # -- O^T += V^T P^T: rows = columns of V, columns = heads
                                         for q0 in T.unroll(NQ):
+                                            if MMA8:
+                                                for rr in T.unroll(4):
+                                                    for j in T.unroll(4):
+                                                        fd[rr * 4 + j] = T.cuda.func_call(
+                                                            E4M3X2_F16X2_FN, vr[(rr * NQ + q0) * 4 + j // 2] >> T.Cast(
+                                                                "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
+                                                            return_type="uint32")
                                             if MMAQ:
                                                 # word q0 of the 4 V rows as f16x2 (columns 32 gid + 8 q0 + PERM[j])
                                                 for rr in T.unroll(4):
@@ -984,6 +1078,14 @@ def paged_attention(
                                                     (_vw(vr, fd, 2, q0, j) >> T.uint32(16))
                                                     | (_vw(vr, fd, 3, q0, j) & T.uint32(0xFFFF0000)),
                                                     pk[0], pk[1], source_code=MMA_SRC))
+                            if MMA8:
+                                # acc holds sum 2^(s + e - mv) v: back to the 2^(s - m) scale of the sums
+                                for hb in T.unroll(2):
+                                    tm[2 + hb] = T.exp2(
+                                        T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[6], 8 * tig + 4 * hb, 32, 32)
+                                        - T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[0], 8 * tig + 4 * hb, 32, 32))
+                                for a in T.unroll(NACC):
+                                    acc[a] = acc[a] * tm[2 + a % 2]
                             # row sums over the quad, then (max, sum) of heads 2tig, 2tig+1 into st[2..5]
                             st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1, 32, 32)
                             st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 2, 32, 32)
