@@ -831,6 +831,17 @@ def paged_attention(
         return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p)) + T.Cast("int64", s)
 
     @T.macro
+    def quad_running_max(sc, tm, st, k):
+        # mma path: new running max st[k] of the scores sc[0, 1, 4, 5] of the 4 lanes of a group -> tm[0],
+        # rescale factor of the old sums 2^(old - new) -> tm[1]
+        tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
+        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
+        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
+        tm[0] = T.max(tm[0], st[k])
+        tm[1] = T.exp2(st[k] - tm[0])
+        st[k] = tm[0]
+
+    @T.macro
     def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov):
         # the split attend launch (decode, few rows, other page formats) ------------------------------------------
         if MMA:
@@ -1014,12 +1025,7 @@ def paged_attention(
                                                     T.And(gid < G, t0 + bt * 16 + tile * 8 + 2 * tig + r < L),
                                                     sc[tile * 4 + r] * T.float32(scale2) * _kexp(ksc, tile * 2 + r),
                                                     T.float32("-inf"))
-                                        tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
-                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
-                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
-                                        tm[0] = T.max(tm[0], st[0])
-                                        tm[1] = T.exp2(st[0] - tm[0])
-                                        st[0] = tm[0]
+                                        quad_running_max(sc, tm, st, 0)
                                         if MMA8:
                                             # the denominator from 2^(s - m); the P.V weights 2^(s + e - mv) (e: V row
                                             # exponent, mv: running max of s + e), so that P in f16 stays in [0, 1]
@@ -1029,12 +1035,7 @@ def paged_attention(
                                                 for r in T.unroll(2):
                                                     sc[tile * 4 + r] = sc[tile * 4 + r] + T.Cast("float32", T.Cast(
                                                         "int32", vsc[tile * 2 + r] & T.uint32(0xFF)) - 127)
-                                            tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
-                                            tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
-                                            tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
-                                            tm[0] = T.max(tm[0], st[6])
-                                            tm[1] = T.exp2(st[6] - tm[0])
-                                            st[6] = tm[0]
+                                            quad_running_max(sc, tm, st, 6)
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.exp2(sc[tile * 4 + r] - tm[0])
