@@ -455,10 +455,11 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
     mma_fn = _MMA_SRC[dtype][0].replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_")
     pack_fn = _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_")
     BQ, BKV, NT = PF_BQ, PF_BKV, PF_NT
+    # (the 16-bit pages' source stays byte-identical: an older build of it may share a module, by name)
+    qpool = "\n  const unsigned char* qpool = (const unsigned char*)poolv;" if quant else ""
     if quant:
         qtile = _quant_tile_src(kv_dtype, D, PS, HKV, NL, pack_fn)
-        first_tile = """
-    qload(0);
+        first_tile = """    qload(0);
     qstore(0);"""
         next_tile = """
       if (t + 1 < nkv) qload(t + 1);
@@ -467,8 +468,7 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
       if (t + 1 < nkv) qstore(t + 1);  // the other buffer: last read before the previous barrier"""
     else:
         qtile, store_next = "", ""
-        first_tile = """
-    load(0);"""
+        first_tile = """    load(0);"""
         next_tile = """
       if (t + 1 < nkv) {
         load(t + 1);
@@ -482,8 +482,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     const int* __restrict__ pos, const int* __restrict__ tseq, const int* __restrict__ pt, void* __restrict__ outv,
     int n, int p, int layer, unsigned char* smem) {{
   const unsigned short* q = (const unsigned short*)qv;
-  const unsigned short* pool = (const unsigned short*)poolv;
-  const unsigned char* qpool = (const unsigned char*)poolv;
+  const unsigned short* pool = (const unsigned short*)poolv;{qpool}
   unsigned* out = (unsigned*)outv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int nrows = n * {G};
