@@ -1040,7 +1040,7 @@ static inline unsigned ninfer_moe_bf16x2_mul(unsigned a, unsigned b) {
   float lo = emu_h2f_bf16(a & 0xffffu) * emu_h2f_bf16(b & 0xffffu), hi = emu_h2f_bf16(a >> 16) * emu_h2f_bf16(b >> 16);
   return (unsigned)nv_bfloat16(lo).b | ((unsigned)nv_bfloat16(hi).b << 16);
 }
-// ---- qattn: fp8 / nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3*_F16X2_SRC) --
+// ---- qattn: fp8 / nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3*_F16X2_SRC, H2F_SRC)
 static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of the byte pair (b, b)
   b &= 0xFFu;
   const unsigned e = (b >> 3) & 15u, m = b & 7u;
@@ -1050,6 +1050,7 @@ static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of 
   uint16_t u; memcpy(&u, &h, 2);
   return (unsigned)u * 0x10001u;
 }
+static float ninfer_attn_h2f(unsigned h) { return emu_h2f_f16((uint16_t)(h & 0xFFFFu)); }  // cvt.f32.f16
 static unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {  // cvt.rn.f16x2.e4m3x2 of the low 16 bits
   const unsigned lo = ninfer_attn_e4m3_f16x2(w & 0xFFu), hi = ninfer_attn_e4m3_f16x2((w >> 8) & 0xFFu);
   return (lo & 0xFFFFu) | (hi & 0xFFFF0000u);

@@ -62,8 +62,9 @@ Three launches inside the one prim_func (stream order is the barrier between the
      row, mask: position <= the row's position and row of the pass's sequence. A tile whose rows span
      several sequences walks each sequence's pages in its own pass (rows of other sequences masked).
      Quantized pages: each thread loads its (row, 16-column block) units of the next K/V tile into
-     registers before the mma work on the current tile and dequantizes them (exact, branch-free
-     integer decoders) into the other bf16 shared buffer after it.
+     registers before the mma work on the current tile and dequantizes them into the other bf16
+     shared buffer after it (exact: codes to f16 by the split path's helpers, to fp32, x the fp8 row
+     scale, packed to bf16).
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
@@ -159,14 +160,14 @@ __forceinline__ __device__ void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w,
     const unsigned h = mag | (__byte_perm(src[k], 0u, 0x1404u) & 0x80008000u);
     asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[k]) : "r"(h), "r"(s2));
   }
-}""")
+}""", guard=True)
 E4M3_F16X2_FN, E4M3_F16X2_SRC = "ninfer_attn_e4m3_f16x2", _dev_src("""
 __forceinline__ __device__ unsigned ninfer_attn_e4m3_f16x2(unsigned b) {
   unsigned r;
   const unsigned short x = (unsigned short)((b & 0xFFu) * 0x101u);
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
   return r;
-}""")
+}""", guard=True)
 NVFP4_F16_PERM = ((0, 2), (1, 3), (4, 6), (5, 7))  # elements of the f16x2 words of NVFP4_F16X8
 # fp8 pages on tensor cores: the two E4M3 codes of the low 16 bits of w as an f16x2 pair (exact)
 E4M3X2_F16X2_FN, E4M3X2_F16X2_SRC = "ninfer_attn_e4m3x2_f16x2", _dev_src("""
@@ -175,7 +176,14 @@ __forceinline__ __device__ unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {
   const unsigned short x = (unsigned short)(w & 0xFFFFu);
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
   return r;
-}""")
+}""", guard=True)
+# the low f16 half of h as fp32 (exact)
+H2F_SRC = _dev_src("""
+__forceinline__ __device__ float ninfer_attn_h2f(unsigned h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h & 0xFFFFu)));
+  return f;
+}""", guard=True)
 
 
 def _fdiv_rn(a, b):
@@ -204,14 +212,14 @@ def _signed(mag, sign_bit):
 
 def _e2m1_twice(c):
     """2 x the E2M1 value of code c & 15 (uint32), exact and branch-free: 2 x magnitude is the nibble
-    (0, 1, 2, 3, 4, 6, 8, 12)[c & 7] of 0xC8643210 (QDEC_SRC's ninfer_attn_e2m1x2)."""
+    (0, 1, 2, 3, 4, 6, 8, 12)[c & 7] of 0xC8643210."""
     mag = tirx.Cast("float32", tirx.Cast("int32", (_u32(0xC8643210) >> ((c & _u32(7)) << _u32(2))) & _u32(15)))
     return _signed(mag, (c & _u32(8)) << _u32(28))
 
 
 def _e4m3_value(c):
-    """E4M3 value of code c & 255 (uint32), exact and branch-free (QDEC_SRC's ninfer_attn_e4m3): 2^9 x the
-    magnitude is the integer ((c & 7) | 8 [e > 0]) << max(e - 1, 0), e = (c >> 3) & 15."""
+    """E4M3 value of code c & 255 (uint32), exact and branch-free (0x7F: 480, as the llvm kernel): 2^9 x
+    the magnitude is the integer ((c & 7) | 8 [e > 0]) << max(e - 1, 0), e = (c >> 3) & 15."""
     e = (c >> _u32(3)) & _u32(15)
     nz = (e + _u32(15)) >> _u32(4)
     mag = tirx.Cast("float32", tirx.Cast("int32", ((c & _u32(7)) | (nz << _u32(3))) << (e - nz))) * tirx.const(
@@ -349,28 +357,6 @@ def prefill_smem_bytes(head_dim: int) -> int:
     return (PF_BQ + 4 * PF_BKV) * (head_dim * 2 + 16)
 
 
-# exact, branch-free decoders of the quantized page codes (portable C: the CPU emulator compiles them as
-# they are). E2M1: 2 x magnitude is the nibble (0, 1, 2, 3, 4, 6, 8, 12)[code & 7] of 0xC8643210; E4M3:
-# 2^9 x magnitude is the integer ((code & 7) | 8 [e > 0]) << max(e - 1, 0), e = (code >> 3) & 15 (the
-# llvm kernel's e4m3_decode_abs, 0x7F included). The sign is ORed into the float's bits (no branch, no
-# subnormal fp32 value anywhere: TVM compiles with flush-to-zero).
-QDEC_SRC = _dev_src("""
-__forceinline__ __device__ float ninfer_attn_signed(float m, unsigned sign_bit) {
-  union { float f; unsigned u; } x;
-  x.f = m;
-  x.u |= sign_bit;
-  return x.f;
-}
-__forceinline__ __device__ float ninfer_attn_e2m1x2(unsigned c) {  // 2 x the E2M1 value of code c & 15
-  return ninfer_attn_signed((float)(int)((0xC8643210u >> ((c & 7u) << 2)) & 15u), (c & 8u) << 28);
-}
-__forceinline__ __device__ float ninfer_attn_e4m3(unsigned c) {  // the E4M3 value of code c & 255
-  const unsigned e = (c >> 3) & 15u, nz = (e + 15u) >> 4;
-  return ninfer_attn_signed((float)(int)(((c & 7u) | (nz << 3)) << (e - nz)) * 0.001953125f, (c & 0x80u) << 24);
-}""", guard=True).replace("NINFER_ATTN_DEV_BEGIN", "NINFER_ATTN_SRC_BEGIN").replace("NINFER_ATTN_DEV_END",
-                                                                                      "NINFER_ATTN_SRC_END")
-
-
 def _quant_tile_src(kv_dtype: str, head_dim: int, page_size: int, n_kv: int, n_layers: int, pack_fn: str) -> str:
     """CUDA lambdas of the prefill block for quantized pages: qload(t) issues the global loads of K/V tile
     t (this thread's PF_BKV * head_dim / 16 / PF_NT units of (row, 16 columns), K and V) into registers,
@@ -387,12 +373,17 @@ def _quant_tile_src(kv_dtype: str, head_dim: int, page_size: int, n_kv: int, n_l
     code_ofs = "8 * b" if kv_dtype == "nvfp4" else "16 * b"
     scale_ofs = f"{D // 2} + b" if kv_dtype == "nvfp4" else f"{D}"
     if kv_dtype == "nvfp4":
+        # f16x2 pairs (0,2) (1,3) (4,6) (5,7) of each 8 codes (x block scale, exact), re-paired as fp32
         dequant = f"""
-        const float sf = 0.5f * ninfer_attn_e4m3(sc & 0x7Fu);
+        unsigned h[8];
+        const unsigned s2 = ninfer_attn_e4m3_f16x2(sc & 0x7Fu);
+        ninfer_attn_nvfp4_f16x8(h, wd[0], s2);
+        ninfer_attn_nvfp4_f16x8(h + 4, wd[1], s2);
 #pragma unroll
-        for (int x = 0; x < 8; ++x) {{
-          const unsigned w = wd[x >> 2] >> (8 * (x & 3));
-          pk[x] = {pack_fn}(ninfer_attn_e2m1x2(w) * sf, ninfer_attn_e2m1x2(w >> 4) * sf);
+        for (int x = 0; x < 8; x += 2) {{
+          const unsigned* g = h + x;  // words (0,2)+(1,3) or (4,6)+(5,7) of 8 codes
+          pk[x] = {pack_fn}(ninfer_attn_h2f(g[0]), ninfer_attn_h2f(g[1]));
+          pk[x + 1] = {pack_fn}(ninfer_attn_h2f(g[0] >> 16), ninfer_attn_h2f(g[1] >> 16));
         }}"""
     else:
         dequant = f"""
@@ -400,8 +391,8 @@ def _quant_tile_src(kv_dtype: str, head_dim: int, page_size: int, n_kv: int, n_l
         rs.u = (unsigned)sc << 23;  // 2^(byte - 127), byte in [1, 253]
 #pragma unroll
         for (int x = 0; x < 8; ++x) {{
-          const unsigned w = wd[x >> 1] >> (16 * (x & 1));
-          pk[x] = {pack_fn}(ninfer_attn_e4m3(w) * rs.f, ninfer_attn_e4m3(w >> 8) * rs.f);
+          const unsigned h = ninfer_attn_e4m3x2_f16x2(wd[x >> 1] >> (16 * (x & 1)));
+          pk[x] = {pack_fn}(ninfer_attn_h2f(h) * rs.f, ninfer_attn_h2f(h >> 16) * rs.f);
         }}"""
     return f"""
     // quantized pages: this thread's units (row, 16-column block) of K and V, raw bytes in registers
@@ -729,7 +720,8 @@ def paged_attention(
         "_bf16" if dtype == "bfloat16" else "_f16") + ("_" + kv_dt if quant else "") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
         "-", "m").replace("+", "")
     PF_SRC = (_PF_HELPERS.get(dtype, "") + LDSM_SRC[False][1]
-              + LDSM_SRC[True][1] + CP_SRC + (QDEC_SRC if quant else "")
+              + LDSM_SRC[True][1] + CP_SRC
+              + (NVFP4_F16X8_SRC + E4M3_F16X2_SRC + E4M3X2_F16X2_SRC + H2F_SRC if quant and PF else "")
               + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype, float(sm_scale) * LOG2E,
                                 kv_dt if quant else None) if PF else ""))
     scale2 = float(sm_scale) * LOG2E
