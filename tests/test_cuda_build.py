@@ -292,13 +292,13 @@ def test_attention_reference_matches_llvm_kernel():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_attention_cuda_source_on_cpu_emulator():
     """The generated CUDA of the paged attention (tensor-core split path for bf16, fp8 and nvfp4 pages,
-    SIMT path for f32; the prefill launch over fp8 / nvfp4 pages) run on the CPU emulator (fibers per
+    SIMT path for f32 and small quantized geometries; the prefill launch over fp8 / nvfp4 pages) run on the CPU emulator (fibers per
     thread; shuffles, barriers and mma.m16n8k16 emulated) matches the float64 reference; appended page
     bytes are exact."""
     C = _attn_check()
     cases = {m["name"]: m for m in C.all_cases()}
     names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec", "emu_fp8_pf",
-             "emu_nvfp4_pf")
+             "emu_nvfp4_pf", "emu_fp8tiny", "emu_nvfp4tiny")  # the last two: quantized pages on the SIMT path
     lib = C.EmuLib(C.kernel_funcs(baseline=False, variants=False, tags={cases[n]["tag"] for n in names}))
     for name in names:
         r = C.emulate_case(cases[name], lib)
