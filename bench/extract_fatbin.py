@@ -6,45 +6,16 @@
 Prints one line per fatbin entry (ELF cubin or PTX, SM arch, size, whether ptxas recorded an
 arch-specific "-arch sm_XXXa" target). A cuda:sm_120 library built with the FP4 MMA path should
 show one ELF entry for arch 120 with sm_120a, and its SASS should hold
-`OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X` (the block-scaled FP4 MMA; grep OMMA). Pure standard
-library (runs with the system python3 on the GPU machine).
-
-Fatbin layout (reverse-engineered, as used by bench/README.md): header <I magic 0xBA55ED50,
-<H version, <H header size, <Q payload size>; then entries <H kind (1 PTX, 2 ELF), <H, <I entry
-header size, <Q payload size, <I compressed size, <I, <H, <H, <I arch ...>.
+`OMMA.SF.16864.F32.E2M1.E2M1.UE4M3.4X` (the block-scaled FP4 MMA; grep OMMA). The parsing is
+ninfer_mlc.compile.fatbin (standard library only): on the GPU machine put the package on PYTHONPATH
+as bench/README.md does (/tmp/pkg).
 """
 from __future__ import annotations
 
-import struct
 import sys
 from pathlib import Path
 
-MAGIC = b"\x50\xed\x55\xba"
-
-
-def find_fatbins(data: bytes) -> list[bytes]:
-    """Every fatbin blob in `data` (a shared library or object file)."""
-    out, i = [], data.find(MAGIC)
-    while i >= 0:
-        _, _, hsz, fsz = struct.unpack_from("<IHHQ", data, i)
-        out.append(data[i:i + hsz + fsz])
-        i = data.find(MAGIC, i + hsz + fsz)
-    return out
-
-
-def fatbin_entries(fatbin: bytes) -> list[dict]:
-    """[{kind: 'elf'|'ptx'|int, arch: int, size, compressed: bool, arch_specific: bool|None}]."""
-    _, _, hsz, fsz = struct.unpack_from("<IHHQ", fatbin, 0)
-    off, end, out = hsz, hsz + fsz, []
-    while off + 32 <= end:
-        kind, _, ehsz, psz, csz, _, _, _, arch = struct.unpack_from("<HHIQIIHHI", fatbin, off)
-        payload = fatbin[off + ehsz:off + ehsz + psz]
-        compressed = csz != 0
-        spec = None if compressed else (f"sm_{arch}a".encode() in payload or f"sm_{arch}f".encode() in payload)
-        out.append({"kind": {1: "ptx", 2: "elf"}.get(kind, kind), "arch": arch, "size": psz,
-                    "compressed": compressed, "arch_specific": spec, "payload": payload})
-        off += ehsz + psz
-    return out
+from ninfer_mlc.compile.fatbin import fatbin_entries, find_fatbins
 
 
 def main(argv: list[str]) -> int:

@@ -97,7 +97,6 @@ def cmd_prep(a) -> int:
 
 
 def cmd_run(a) -> int:
-    import numpy as np
     import torch
 
     from ninfer_mlc.runtime.tvm_loader import import_tvm

@@ -10,9 +10,9 @@ weight-streaming rate per shape, batch rows and launch-parameter variant.
         from seeds; every case at n in NS: max error vs torch fp32 (x @ W^T in fp32, epilogue with
         the kernel's roundings), then us/call and GB/s of weight bytes (weights rotated over enough
         copies to miss L2), next to the copy bandwidth and torch's (cuBLAS) matmul at the same n.
-  emulate [--quick]           (here, no GPU) run the generated CUDA source of small cases on the CPU:
-        g++ with one std::thread per CUDA thread, barriers for __syncthreads / warp collectives and
-        mma.sync m16n8k16 / shuffles emulated from the PTX fragment layouts; checks vs numpy.
+  emulate [--quick]           (here, no GPU) run the generated CUDA source of small cases on the CPU
+        emulator of ninfer_mlc.compile.kernels.cuda.emulate (a fiber per CUDA thread; barriers, shuffles
+        and mma.sync m16n8k16 as warp collectives from the PTX fragment layouts); checks vs numpy.
 
 NVFP4 weights (gemv.gemv_nvfp4, the decode path of NVFP4Linear): the 27B shapes of CASES_NVFP4 with every
 NVFP4_VARIANTS entry at n in NS_NVFP4. `run` makes codes / E4M3 block scales / per-row global scales on the
@@ -33,20 +33,18 @@ Commands:
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-import gpu_common as gc  # noqa: E402
+import gpu_common as gc
+from ninfer_mlc.compile.kernels.cuda.emulate.gemv import (
+    TOL, default_params, default_params_nvfp4, nvfp4_dequant, rel_err, run_emulation,
+)
 
 # (name, K, O, epilogue, dtype, out dtype) of the Qwen3.x-27B decode projections (bf16)
 CASES_27B = [
@@ -95,23 +93,15 @@ NVFP4_VARIANTS = {
 NS_NVFP4 = (1, 2, 4, 8, 13)
 NS = (1, 2, 3, 4, 8, 13)
 NS_ODD = (1, 2, 3, 8, 13, 40)
-TOL = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 3e-5}  # max|d| / max|ref|, by output rounding
 
 
 def _params(variant: str) -> dict:
-    from ninfer_mlc.compile.kernels.cuda.registry import DEFAULT_KERNELS
-
-    return {**DEFAULT_KERNELS["gemv"], **VARIANTS[variant]}
+    return {**default_params(), **VARIANTS[variant]}
 
 
 def _params_nvfp4(variant: str) -> dict:
-    """gemv_nvfp4 keyword arguments as the kernel set passes them (gemv(..., weight_format="nvfp4")), then
-    the variant's overrides."""
-    from ninfer_mlc.compile.kernels.cuda import gemv as G
-    from ninfer_mlc.compile.kernels.cuda.registry import DEFAULT_KERNELS
-
-    shared = {k: v for k, v in DEFAULT_KERNELS["gemv"].items() if k not in ("unroll", "big_tiles")}
-    return {**shared, **G.NVFP4_DEFAULTS, **NVFP4_VARIANTS[variant]}
+    """gemv_nvfp4 keyword arguments as the kernel set passes them, then the variant's overrides."""
+    return {**default_params_nvfp4(), **NVFP4_VARIANTS[variant]}
 
 
 def nvfp4_bytes(K: int, O: int) -> int:
@@ -172,23 +162,6 @@ def cmd_prep(a) -> int:
     print(f"built {len(cases)} kernels in {time.time() - t:.1f}s -> {out / 'gemv.so'} "
           f"({(out / 'gemv.so').stat().st_size} bytes)", flush=True)
     return 0
-
-
-# ---- reference ---------------------------------------------------------------------------------
-def reference(x32, w32, res32, epilogue: str, dtype: str, out_dtype: str, rnd):
-    """fp32/fp64 reference with the kernel's roundings; rnd(a, dtype) rounds an fp32 array to dtype."""
-    y = x32.astype(np.float64) @ w32.astype(np.float64).T
-    y = y.astype(np.float32)
-    if epilogue == "residual":
-        return rnd(res32 + rnd(y, dtype), out_dtype)
-    if epilogue == "silu_mul":
-        h = y.shape[1] // 2
-        g, u = rnd(y[:, :h], dtype), rnd(y[:, h:], dtype)
-        return rnd(g / (1 + np.exp(-g)) * u, out_dtype)
-    return rnd(y, out_dtype)
-
-
-rel_err = gc.rel_err
 
 
 # ---- GPU run -----------------------------------------------------------------------------------
@@ -388,328 +361,6 @@ def _print_table(res: dict) -> None:
     for (case, n), r in sorted(best.items()):
         print(f"  {case:18s} n={n:3d} {r['variant']:8s} {r['GBs']:7.0f}")
     print("OK" if res.get("ok") else "MISMATCH")
-
-
-# ---- CPU emulation of the generated CUDA source ------------------------------------------------
-_SHIM = r"""
-#include <cstdint>
-#include <cstring>
-#include <cmath>
-#include <thread>
-#include <barrier>
-#include <vector>
-#include <functional>
-#define uint unsigned int
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-#define __restrict__
-struct dim3_ { int x, y, z; };
-static thread_local dim3_ threadIdx, blockIdx;
-struct uint4 { unsigned x, y, z, w; };
-static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
-struct nv_bfloat16 {
-  uint16_t v;
-  nv_bfloat16() = default;
-  nv_bfloat16(float f) {
-    uint32_t u; std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) v = 0x7fc0; else { u += 0x7fffu + ((u >> 16) & 1u); v = (uint16_t)(u >> 16); }
-  }
-  operator float() const { uint32_t u = (uint32_t)v << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-struct half {
-  _Float16 v;
-  half() = default;
-  half(float f) : v((_Float16)f) {}
-  operator float() const { return (float)v; }
-};
-template <class T> static inline T max(T a, T b) { return a > b ? a : b; }
-template <class T> static inline T min(T a, T b) { return a < b ? a : b; }
-
-struct Warp { std::barrier<> bar{32}; uint32_t a[32][4]; uint32_t b[32][2]; float c[32][4]; uint64_t s[32]; };
-static thread_local Warp* tl_warp;
-static thread_local int tl_lane;
-static thread_local std::barrier<>* tl_block;
-static inline void __syncthreads() { tl_block->arrive_and_wait(); }
-
-template <class T> static inline T __shfl_xor_sync(unsigned, T v, int m, int w = 32) {
-  Warp* W = tl_warp; uint64_t bits = 0; std::memcpy(&bits, &v, sizeof(T));
-  W->s[tl_lane] = bits; W->bar.arrive_and_wait();
-  uint64_t o = W->s[tl_lane ^ m]; W->bar.arrive_and_wait();
-  T r; std::memcpy(&r, &o, sizeof(T)); return r;
-}
-static inline float emu_half(uint32_t reg, int hi, int bf16) {
-  uint16_t h = hi ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
-  if (bf16) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
-  _Float16 x; std::memcpy(&x, &h, 2); return (float)x;
-}
-// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: PTX ISA fragment layouts (groupID g = lane>>2, q = lane&3)
-//   A: a0=(g, 2q..2q+1) a1=(g+8, 2q..) a2=(g, 2q+8..) a3=(g+8, 2q+8..); B: b0=(k 2q..2q+1, n g) b1=(k 2q+8.., n g)
-//   C/D: c0,c1=(g, 2q, 2q+1), c2,c3=(g+8, 2q, 2q+1)
-static inline void emu_mma(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1, int bf16) {
-  Warp* W = tl_warp; int l = tl_lane;
-  W->a[l][0] = a0; W->a[l][1] = a1; W->a[l][2] = a2; W->a[l][3] = a3; W->b[l][0] = b0; W->b[l][1] = b1;
-  for (int i = 0; i < 4; ++i) W->c[l][i] = d[i];
-  W->bar.arrive_and_wait();
-  float out[4];
-  int g = l >> 2, q = l & 3;
-  for (int i = 0; i < 4; ++i) {
-    int row = g + 8 * (i >> 1), col = 2 * q + (i & 1);
-    double acc = W->c[l][i];
-    for (int k = 0; k < 16; ++k) {
-      int al = (row % 8) * 4 + (k % 8) / 2, ar = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      int bl = col * 4 + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      acc += (double)emu_half(W->a[al][ar], k % 2, bf16) * (double)emu_half(W->b[bl][br], k % 2, bf16);
-    }
-    out[i] = (float)acc;
-  }
-  W->bar.arrive_and_wait();
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
-}
-static inline void ninfer_gemv_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-  emu_mma(d, a0, a1, a2, a3, b0, b1, 1);
-}
-static inline void ninfer_gemv_mma_f16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
-  emu_mma(d, a0, a1, a2, a3, b0, b1, 0);
-}
-static inline uint4 ninfer_gemv_ldg_w(const void* p, int pred) { return pred ? *(const uint4*)p : uint4{0, 0, 0, 0}; }
-static inline uint4 ninfer_gemv_ldg_x(const void* p, int pred) { return pred ? *(const uint4*)p : uint4{0, 0, 0, 0}; }
-#define uchar unsigned char
-#define ushort unsigned short
-static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
-  uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
-  for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
-  return r;
-}
-// fma.rn.bf16x2(a, b, -0): exact fp32 product (<= 16 significant bits, no fp32 underflow in our use), then
-// round to nearest even bf16 (fp32 and bf16 subnormals share the exponent range)
-static inline uint16_t emu_bf16_rn(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
-}
-static inline unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
-  float lo = emu_half(a, 0, 1) * emu_half(b, 0, 1), hi = emu_half(a, 1, 1) * emu_half(b, 1, 1);
-  return (unsigned)emu_bf16_rn(lo) | ((unsigned)emu_bf16_rn(hi) << 16);
-}
-
-static void run_grid(int grid, int nt, const std::function<void()>& body) {
-  for (int b = 0; b < grid; ++b) {
-    std::barrier<> block(nt);
-    std::vector<Warp*> warps;
-    for (int w = 0; w < (nt + 31) / 32; ++w) warps.push_back(new Warp());
-    std::vector<std::thread> th;
-    for (int t = 0; t < nt; ++t)
-      th.emplace_back([&, t]() {
-        threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0};
-        tl_warp = warps[t / 32]; tl_lane = t % 32; tl_block = &block;
-        body();
-      });
-    for (auto& x : th) x.join();
-    for (auto* w : warps) delete w;
-  }
-}
-"""
-
-_KERNEL_RE = re.compile(r'extern "C" __global__ void __launch_bounds__\((\d+)(?:, \d+)?\) (\w+)\(([^)]*)\) \{')
-
-
-def _strip_helpers(src: str) -> str:
-    """Kernel definitions only (the CUDA preamble and our inline-asm helpers are replaced by the shim)."""
-    i = src.index('extern "C" __global__')
-    body = src[i:]
-    # drop the forward declarations (lines ending in ');' that start with extern "C")
-    body = re.sub(r"__shared__ (alignas\(\d+\))", r"\1 static", body)  # one copy per block (blocks run in turn)
-    return "\n".join(ln for ln in body.splitlines() if not (ln.startswith('extern "C"') and ln.rstrip().endswith(");")))
-
-
-def _launcher(name: str, nt: int, params: str) -> str:
-    args, casts = [], []
-    for p in params.split(","):
-        p = p.strip()
-        ty, pname = p.rsplit(" ", 1)
-        ty = ty.replace("__restrict__", "").strip()
-        key = {"out_ptr": "out", "res_ptr": "res", "wu_ptr": "w", "w_ptr": "w", "xu_ptr": "x", "x_ptr": "x",
-               "n": "n", "ws_ptr": "ws", "wsh_ptr": "ws", "ws2_ptr": "g"}[pname]
-        casts.append(f"({ty}){key}" if key != "n" else "n")
-    args = ", ".join(casts)
-    return (f'extern "C" void launch_{name}(int grid, void* out, void* res, void* w, void* x, int64_t n, void* ws, '
-            f"void* g) {{\n  run_grid(grid, {nt}, [&]() {{ {name}({args}); }});\n}}\n")
-
-
-def build_emulator(funcs: dict, workdir: Path):
-    """Compile {symbol: prim_func} for CUDA (sm_90, nvcc) and the generated source for the CPU.
-    Returns (ctypes library, {kernel name: threads per block})."""
-    import tvm
-
-    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
-
-    tgt = parse_target("cuda:sm_90").tvm_target()
-    with cuda_build_env(tgt):
-        ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
-    src = ex.mod.imports[0].inspect_source("cuda")
-    kern = _strip_helpers(src)
-    kernels = {m.group(2): (int(m.group(1)), m.group(3)) for m in _KERNEL_RE.finditer(src)}
-    from ninfer_mlc.compile.kernels.cuda import gemv as G
-
-    # the NVFP4 decode helper is plain C around ninfer_bf16x2_mul: its own text runs on the emulator
-    code = (_SHIM + G._NVFP4_DQ_BODY + kern + "\n"
-            + "".join(_launcher(k, nt, p) for k, (nt, p) in kernels.items()))
-    cpp, so = workdir / "gemv_emu.cpp", workdir / "gemv_emu.so"
-    cpp.write_text(code)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(so), str(cpp)],
-                   check=True)
-    return ctypes.CDLL(str(so)), {k: nt for k, (nt, _) in kernels.items()}
-
-
-def _np(dtype: str):
-    import ml_dtypes
-
-    return {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-            "float32": np.dtype(np.float32)}[dtype]
-
-
-def _rnd(a, dtype):
-    return np.asarray(a, np.float32).astype(_np(dtype)).astype(np.float32)
-
-
-def emulate_case(lib, symbol: str, K: int, O: int, epilogue: str, dtype: str, out_dtype: str, n: int,
-                 seed: int = 0) -> float:
-    """Run one case on the CPU emulator; returns rel_err vs the numpy reference (inf: NaN / unwritten)."""
-    rng = np.random.default_rng(seed)
-    OO = O // 2 if epilogue == "silu_mul" else O
-    x = rng.standard_normal((n, K)).astype(_np(dtype))
-    w = (rng.standard_normal((O, K)) * K ** -0.5).astype(_np(dtype))
-    r = rng.standard_normal((n, OO)).astype(_np(dtype))
-    y = np.full((n, OO), np.nan, np.float32).astype(_np(out_dtype))
-    if dtype in ("bfloat16", "float16") and K % 8 == 0:  # tensor-core path: host picks the launch on n
-        grid = (OO + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
-        kname = symbol + ("_kernel" if n <= 8 else "_kernel_1")
-    else:
-        grid = (OO + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
-        kname = symbol + "_kernel"
-    fn = getattr(lib, "launch_" + kname)
-    fn.argtypes = _LAUNCH_ARGTYPES
-    fn(grid, y.ctypes.data, r.ctypes.data, w.ctypes.data, x.ctypes.data, n, None, None)
-    ref = reference(x.astype(np.float32), w.astype(np.float32), r.astype(np.float32), epilogue, dtype, out_dtype, _rnd)
-    return rel_err(y.astype(np.float32), ref)
-
-
-_LAUNCH_ARGTYPES = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                    ctypes.c_void_p, ctypes.c_void_p]
-
-
-def nvfp4_weights(rng, O: int, K: int):
-    """(codes uint8 [O, K/2], E4M3 block scales uint8 [O, K/16], row scales fp32 [O]) with every code value
-    and, by row o % 4: block scales around 1; E4M3 subnormals (0.002-0.014); large (128-448); a mix of zero,
-    the smallest normal, 1 and 1.875. Row scales make every dequantized row ~K^-0.5 in size, so the error
-    check sees all four kinds."""
-    codes = rng.integers(0, 256, (O, K // 2), dtype=np.uint8)
-    kind = np.arange(O) % 4
-    lo = np.array([0x30, 0x01, 0x70, 0])[kind][:, None]
-    hi = np.array([0x40, 0x07, 0x7E, 3])[kind][:, None]
-    scales = rng.integers(lo, hi + 1, (O, K // 16)).astype(np.uint8)
-    mixed = kind == 3
-    scales[mixed] = np.array([0x00, 0x08, 0x38, 0x3F], np.uint8)[scales[mixed]]
-    typical = np.array([1.2, 4 * 2.0 ** -9, 300.0, 0.8])[kind]
-    g = (K ** -0.5 / (2.93 * typical) * rng.uniform(0.7, 1.3, O)).astype(np.float32)
-    return codes, scales, g
-
-
-def nvfp4_dequant(codes, scales, g) -> np.ndarray:
-    """The reference weight: compile/nvfp4.py's dequantization times the row scale (fp32)."""
-    from ninfer_mlc.compile import nvfp4
-
-    w = nvfp4.dequantize_nvfp4(codes, scales, n=codes.shape[1] * 2)
-    return (w * np.asarray(g, np.float32)[:, None]).astype(np.float32)
-
-
-def emulate_nvfp4_case(lib, symbol: str, K: int, O: int, epilogue: str, dtype: str, out_dtype: str, n: int,
-                       seed: int = 0) -> float:
-    """One gemv_nvfp4 case on the CPU emulator; rel_err vs x @ nvfp4_dequant(...)^T (+ epilogue)."""
-    from ninfer_mlc.compile.kernels.cuda import gemv as G
-
-    rng = np.random.default_rng(seed)
-    OO = O // 2 if epilogue == "silu_mul" else O
-    codes, scales, g = nvfp4_weights(rng, O, K)
-    x = rng.standard_normal((n, K)).astype(_np(dtype))
-    r = rng.standard_normal((n, OO)).astype(_np(dtype))
-    y = np.full((n, OO), np.nan, np.float32).astype(_np(out_dtype))
-    if G._nvfp4_mma_path(K, dtype):
-        grid = (OO + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
-        kname = symbol + ("_kernel" if n <= 8 else "_kernel_1")
-    else:
-        grid = (OO + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
-        kname = symbol + "_kernel"
-    fn = getattr(lib, "launch_" + kname)
-    fn.argtypes = _LAUNCH_ARGTYPES
-    fn(grid, y.ctypes.data, r.ctypes.data, codes.ctypes.data, x.ctypes.data, n, scales.ctypes.data, g.ctypes.data)
-    w = nvfp4_dequant(codes, scales, g)
-    ref = reference(x.astype(np.float32), w, r.astype(np.float32), epilogue, dtype, out_dtype, _rnd)
-    return rel_err(y.astype(np.float32), ref)
-
-
-EMU_CASES = [
-    # (K, O, epilogue, dtype, out dtype, params): every code path at small sizes
-    (256, 48, "none", "bfloat16", "bfloat16", {}),
-    (72, 40, "none", "bfloat16", "float32", {}),
-    (200, 36, "silu_mul", "bfloat16", "bfloat16", {}),
-    (1024, 32, "silu_mul", "bfloat16", "bfloat16", {"unroll": 2}),
-    (512, 40, "residual", "float16", "float16", {}),
-    (5120, 16, "residual", "bfloat16", "bfloat16", {}),  # 27B K, 8 warps, several iterations per warp
-    (6144, 32, "none", "bfloat16", "bfloat16", {"unroll": 8, "max_warps": 16, "min_warps": 16}),
-    (1024, 64, "silu_mul", "bfloat16", "bfloat16", {"target_warps": 1}),  # one warp per block
-    (17408, 16, "residual", "bfloat16", "bfloat16", {"min_warps": 6, "max_warps": 6}),  # 136 chunks / 6 warps
-    (100, 50, "residual", "bfloat16", "bfloat16", {}),  # K % 8 != 0 -> FMA
-    (64, 96, "silu_mul", "float32", "float32", {}),
-    (70, 10, "none", "float32", "float32", {}),
-]
-
-
-EMU_NVFP4_CASES = [
-    # (K, O, epilogue, dtype, out dtype, params) of gemv_nvfp4: tensor-core path (bf16, K % 32 == 0) and FMA path
-    (256, 48, "none", "bfloat16", "bfloat16", {}),
-    (512, 40, "residual", "bfloat16", "bfloat16", {"unroll": 1}),  # O % 16 != 0, 4 warps split K
-    (384, 36, "silu_mul", "bfloat16", "bfloat16", {}),  # O/2 % 8 != 0, K % 256 != 0
-    (1024, 32, "none", "bfloat16", "float32", {"unroll": 1, "target_warps": 1}),  # one warp, fp32 out
-    (5120, 16, "residual", "bfloat16", "bfloat16", {}),  # 27B K: 20 chunks over 5 warps
-    (6144, 32, "silu_mul", "bfloat16", "bfloat16", {"unroll": 4, "min_warps": 3, "max_warps": 3}),
-    (48, 40, "residual", "bfloat16", "bfloat16", {}),  # K % 32 != 0 -> FMA
-    (64, 96, "silu_mul", "float32", "float32", {}),  # f32 activations -> FMA
-    (96, 24, "none", "float16", "float16", {}),  # f16 -> FMA
-]
-
-
-def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[dict]:
-    from ninfer_mlc.compile.kernels.cuda import gemv as G
-
-    cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
-    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
-    funcs, meta = {}, []
-    for i, (k, o, ep, dt, odt, prm) in enumerate(cases):
-        sym = f"emu{i}_" + G.symbol(k, o, dt, odt, ep)
-        p = {**_params("default"), **prm}
-        funcs[sym] = G.gemv(k, o, dt, odt, ep, **p).with_attr("global_symbol", sym)
-        meta.append((sym, k, o, ep, dt, odt, prm, None))
-    for i, (k, o, ep, dt, odt, prm) in enumerate(ncases):
-        sym = f"emu{i}_" + G.symbol(k, o, dt, odt, ep, "nvfp4")
-        p = {**_params_nvfp4("default"), **prm}
-        funcs[sym] = G.gemv_nvfp4(k, o, dt, odt, ep, **p).with_attr("global_symbol", sym)
-        meta.append((sym, k, o, ep, dt, odt, prm, "nvfp4"))
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="gemv_emu_") as d:
-        lib, _ = build_emulator(funcs, Path(d))
-        for sym, k, o, ep, dt, odt, prm, wf in meta:
-            for n in ((1, 5, 8, 13) if quick else (1, 2, 3, 8, 9, 13, 40)):
-                run = emulate_nvfp4_case if wf else emulate_case
-                err = run(lib, sym, k, o, ep, dt, odt, n, seed=n)
-                row = dict(K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, params=prm, n=n, rel_err=err,
-                           ok=bool(err <= TOL[odt]), **({"weight": wf} if wf else {}))
-                rows.append(row)
-                log(json.dumps(row))
-    return rows
 
 
 def cmd_emulate(a) -> int:

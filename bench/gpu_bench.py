@@ -429,7 +429,10 @@ def cmd_check(a):
         # so bf16 is judged against the llvm bf16 build and against llvm's own distance to HF
         for k in ("prefill_all", "decode"):
             e[f"{k}_top1_agree_llvm"] = float(np.mean(got[k].argmax(-1) == ref[f"llvm_{quant}/{k}"].argmax(-1)))
-        graphs_ok = e["graphs_vs_eager_maxabs"] == 0.0 and bool(graph_stats and graph_stats["replays"] > 0)
+        # MoE libraries group (token, expert) pairs with atomics: pair order, hence summation order, varies from
+        # call to call, so MoE logits may differ in the last bits between any two runs (graphs or not)
+        moe = bool(getattr(a, "moe", False))
+        graphs_ok = e["graphs_vs_eager_maxabs"] <= (1e-5 if moe else 0.0) and bool(graph_stats and graph_stats["replays"] > 0)
         for name, g in (("verify", r.verify_graphs), ("mtp_step", r.mtp_graphs)):
             if g is not None:  # the speculative functions replayed too
                 graph_stats[f"{name}_replays"] = g.stats["replays"]
@@ -438,7 +441,10 @@ def cmd_check(a):
             passed = graphs_ok and all(v < 1e-3 for k, v in e.items() if "top1" not in k)
         else:
             base = e["llvm_prefill_vs_hf"]
-            passed = graphs_ok and all(v < 0.1 for k, v in e.items() if "vs_llvm" in k) and \
+            near_llvm = all(v < 0.1 for k, v in e.items() if "vs_llvm" in k)
+            if moe:  # bf16 rounding flips near-tied routing choices of the tiny random router: judge agreement
+                near_llvm = all(v >= 0.8 for k, v in e.items() if "top1_agree" in k)
+            passed = graphs_ok and near_llvm and \
                 all(v < 1.5 * base + 0.02 for k, v in e.items() if k.endswith("vs_hf") and not k.startswith("llvm"))
         tol_hf = tol_llvm = None
         ok &= passed

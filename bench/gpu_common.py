@@ -1,7 +1,8 @@
 """Helpers shared by the GPU check scripts in bench/ (gpu_bench, gemm/gemv/gdn/attn checks, spec bench).
 
-Only the standard library and numpy at module level: the scripts import this on the GPU machine, which
-has the TVM runtime, numpy, ml_dtypes and torch (passed in as an argument where needed), no compiler.
+Only the standard library, numpy and the package's light numerics at module level: the scripts import this
+on the GPU machine, which has the TVM runtime, numpy, ml_dtypes and torch (passed in as an argument where
+needed), no compiler.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+
+# errors and inputs of the kernel checks: shared with their CPU emulation (re-exported for the scripts)
+from ninfer_mlc.compile.kernels.cuda.emulate.numerics import cu_seqlens, l2_qk, l2norm, rel_err  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,35 +60,6 @@ def matmul_rate(torch, n: int = 8192) -> float:
 def measure_floors(torch):
     """(copy bandwidth in bytes/s read + written, bf16 matmul FLOP/s)."""
     return copy_bw(torch), matmul_rate(torch)
-
-
-# ----------------------------------------------------------------------------------------------
-# errors / inputs
-def rel_err(got, ref) -> float:
-    """max|got - ref| / max|ref| in float64; inf where got has a non-finite value."""
-    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
-    if not np.isfinite(got).all():
-        return float("inf")
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
-
-
-def l2norm(a, eps: float = 1e-6):
-    """a / |a| over the last axis (numpy arrays or torch tensors)."""
-    if isinstance(a, np.ndarray):
-        return a / np.sqrt((a * a).sum(-1, keepdims=True) + eps)
-    return a / ((a * a).sum(-1, keepdim=True) + eps).sqrt()
-
-
-def l2_qk(rng, n: int, hk: int, dk: int):
-    """Gated-delta-rule q (l2-normalised, times dk^-0.5) and k (l2-normalised), float32, shape (n, hk, dk)."""
-    q = (l2norm(rng.standard_normal((n, hk, dk))) * dk ** -0.5).astype(np.float32)
-    k = l2norm(rng.standard_normal((n, hk, dk))).astype(np.float32)
-    return q, k
-
-
-def cu_seqlens(lens) -> np.ndarray:
-    """[0, cumsum(lens)...] as int32."""
-    return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check bench spec vision moe sass hf serve agent
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check bench spec specforced dflash vision moe sass hf serve agent
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -33,7 +33,9 @@ for step in "$@"; do
     sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
-    spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json ;;
+    spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json --skip-forced ;;
+    specforced) [ -d .gpu/spec/q27b-taps ] && run specforced 560 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;
+    dflash) [ -d .gpu/dflash ] && run dflash 300 python3 bench/dflash_gpu_check.py run .gpu/dflash $OUT/dflash.json ;;
     serve) servewhl; run serve ${SERVE_TIMEOUT:-570} python3 ${BENCH:-bench}/serve_bench.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \

@@ -266,7 +266,7 @@ def cmd_check(a) -> int:
         print(json.dumps(row), flush=True)
     gc.write_result(a.result, res)
     tiny_result = Path(str(a.result).replace(".json", "_tiny.json"))
-    rc = gpu_bench.cmd_check(Namespace(out=str(out / "tiny"), result=str(tiny_result)))
+    rc = gpu_bench.cmd_check(Namespace(out=str(out / "tiny"), result=str(tiny_result), moe=True))
     res["tiny"] = json.loads(tiny_result.read_text())
     res["pass"] &= rc == 0
     gc.write_result(a.result, res)

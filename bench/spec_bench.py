@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after the installed package: ROOT/ninfer_mlc alone has no runtime/compile
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog and then",

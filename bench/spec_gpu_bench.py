@@ -22,6 +22,15 @@ runtime/ and compile/ linked, PYTHONPATH=/tmp/pkg:/tmp/site, torch's libcudart o
           protocol as the CPU benchmark): no speculation vs --spec mtp with k = 1, 2, 3 draft tokens,
           greedy; acceptance, tokens/round, tokens/s, speedup, outputs identical to no speculation.
 
+  (c) FORCED acceptance profiles through the engine (bench/spec_forced.py): the 27B geometry with MTP head and
+      tap layers, and a DFlash2 drafter of the Qwen3.8-27B-DFlash2 shape, both random weights drawn on the GPU;
+      no speculation vs MTP-3 forced to 3.18 / 3.4 tokens per round vs DFlash2 block 8 forced to 5.4, batch 1
+      and 4 at --forced-ctx: tokens/s, a round's cost in plain decode steps, speedup. Every row names the
+      forced profile (the output is not the model's). prep builds OUT/q27b-taps and OUT/dflash2-27b (minutes).
+      Only this part:  run OUT RESULT.json --skip-27b --skip-tiny --budget-s 540
+      CPU dry run:     run OUT R.json --device cpu --skip-27b --skip-tiny --forced-target TAPS_ART
+                       --forced-drafter DFLASH2_ART --forced-ctx 200 --forced-gen 12 --forced-batches 1,2
+
 Projection, per batch b and k drafts (greedy, i.i.d. acceptance a):
   tokens/round  tau = (1 - a^(k+1)) / (1 - a)
   ideal round   T_verify(k+1 rows) + T_mtp_prefill(tau rows) + (k-1) T_mtp_step + T_snapshot
@@ -52,6 +61,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_bench  # noqa: E402
 import gpu_common as gc  # noqa: E402
 import spec_bench  # noqa: E402  (puts ROOT on sys.path)
+import spec_forced  # noqa: E402
 
 PAGE = gpu_bench.PAGE
 TINY_NAME = "qwen3x-tiny-cuda"
@@ -77,6 +87,9 @@ def cmd_prep(a) -> int:
         _prep_tiny(a, out)
     if not a.skip_27b:
         _prep_27b_mtp(a, out)
+    if not a.skip_forced:
+        spec_forced.prep_forced(out, a.arch, a.forced_quant, a.forced_max_context,
+                                log=lambda *m: print(*m, flush=True))
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"{out}: {total / 2**20:.1f} MiB", flush=True)
     return 0
@@ -669,6 +682,20 @@ def cmd_run(a) -> int:
         res["wall_seconds"] = round(time.time() - t0, 2)
         Path(a.result).write_text(json.dumps(res, indent=1, default=str))
 
+    if not a.skip_forced:
+        try:
+            out = Path(a.out)
+            res["forced"] = spec_forced.run_forced(
+                Path(a.forced_target or out / "q27b-taps"), Path(a.forced_drafter or out / "dflash2-27b"),
+                a.forced_ctx, a.forced_gen, [int(x) for x in a.forced_batches.split(",")],
+                t0 + (a.budget_s if a.skip_27b and a.skip_tiny else 0.5 * a.budget_s), device=a.device,
+                log=lambda *m: print(*m, flush=True), save=save)
+        except Exception as e:  # noqa: BLE001 - keep what the other parts measure
+            import traceback
+
+            traceback.print_exc()
+            res["forced"] = {"error": repr(e)[:600]}
+        save()
     if not a.skip_27b:
         try:
             run_geometry(a, res, t0 + 0.65 * a.budget_s, save)
@@ -690,6 +717,7 @@ def cmd_run(a) -> int:
     res["projection"] = project(res)
     save()
     print_tables(res)
+    spec_forced.print_forced(res.get("forced"))
     print(f"\nwall {time.time() - t0:.1f}s; result {a.result}", flush=True)
     return 0
 
@@ -700,12 +728,21 @@ def main(argv=None) -> int:
     p.add_argument("--tiny-quant", default="f32", choices=["f32", "bf16"])
     p.add_argument("--skip-tiny", action="store_true")
     p.add_argument("--skip-27b", action="store_true")
+    p.add_argument("--skip-forced", action="store_true", help="no (c): the 27B + DFlash2 random-weight artifacts")
+    p.add_argument("--forced-quant", default="bf16", choices=["bf16", "nvfp4"])
+    p.add_argument("--forced-max-context", type=int, default=16384)
     r.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     r.add_argument("--tiny-dir", default=None, help="tiny model artifact (default OUT/tiny-cuda)")
     r.add_argument("--geo-dir", default=None,
                    help="a compiled artifact standing in for OUT/q27b_mtp.so (CPU dry run; its real weights)")
     r.add_argument("--skip-tiny", action="store_true")
     r.add_argument("--skip-27b", action="store_true")
+    r.add_argument("--skip-forced", action="store_true")
+    r.add_argument("--forced-target", default=None, help="(c) target artifact with taps (default OUT/q27b-taps)")
+    r.add_argument("--forced-drafter", default=None, help="(c) DFlash2 drafter artifact (default OUT/dflash2-27b)")
+    r.add_argument("--forced-ctx", type=int, default=8192)
+    r.add_argument("--forced-gen", type=int, default=96)
+    r.add_argument("--forced-batches", default="1,4")
     r.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     r.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     r.add_argument("--max-tokens", type=int, default=64)

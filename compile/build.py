@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -12,8 +10,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from ..contract import safetensors_io, sampler_abi
+from ..contract import safetensors_io
 from ..contract.manifest import Manifest, write_manifest
+from . import libcache
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .lib_build import build_cached
@@ -21,7 +20,7 @@ from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
 from .sampler_module import ABI_VERSION as SAMPLER_ABI_VERSION, add_device_sampler
-from .targets import TargetSpec, cuda_build_env, parse_target
+from .targets import TargetSpec, parse_target
 from .vision_build import compile_vision, has_vision_weights
 from .vision_config import load_vision_config
 
@@ -58,27 +57,6 @@ def rope_tables_for(cfg: ModelConfig, overrides: dict) -> tuple[np.ndarray, floa
     return inv_freq, float(factor), info
 
 
-def _cache_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool,
-               mtp: bool = False) -> str:
-    """Libraries depend only on geometry, dtypes, KV rotation, target, TVM and our compiler sources."""
-    import tvm
-
-    h = hashlib.sha256()
-    geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
-    h.update(json.dumps([geo, dtype, kv_dtype, kv_hadamard, target.name, tvm.__version__], sort_keys=True).encode())
-    if mtp:  # the MTP head is compiled only when the checkpoint has it
-        h.update(b"mtp")
-    for src in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(src.read_bytes())
-    h.update(Path(sampler_abi.__file__).read_bytes())  # the sampler's layout is part of the library
-    if target.kind == "cuda":  # schedule choices shape the CUDA library
-        from .gpu_pipeline import SCHEDULE_DIR
-
-        for f in sorted(Path(os.environ.get("NINFER_SCHEDULE_DIR", SCHEDULE_DIR)).glob("*.json")):
-            h.update(f.read_bytes())
-    return h.hexdigest()[:24]
-
-
 def fp4_mma_default(target: TargetSpec, weight_quant: str | None) -> bool:
     """--fp4-mma default: on for cuda:sm_120 with NVFP4 weights (the only place it can run)."""
     return target.kind == "cuda" and target.arch == "sm_120" and weight_quant == "nvfp4"
@@ -95,33 +73,36 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                  fp4_mma: bool = False, multimodal: bool = False) -> list:
+                  fp4_mma: bool = False, multimodal: bool = False, tap_layers: tuple = ()) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
     multimodal: also compile prefill_mm / decode_mrope (checkpoints with a vision tower).
+    tap_layers: also export prefill_t / verify_t for a DFlash drafter (compile/model.py).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
-    directory to reuse libraries of identical geometry (the test suite does).
+    directory to reuse libraries of identical geometry (compile/libcache.py; the test suite does).
     """
     from .kernels.dequant import fp4_mma_scope
 
     kv_dtype = kv_dtype or dtype
     if fp4_mma and not fp4_mma_default(target, weight_quant):
         raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
-    # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
-    arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
-    with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
-        model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                                  multimodal=multimodal)
-    mod, pspec = model.export_tvm(spec=model.export_spec())
-    with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
-        mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
-    specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
-    key = (_cache_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp) + (f"-{weight_quant}" if weight_quant else "")
-           + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
-    build_cached(mod, target, lib_path, key)
-    return specs
+    key = libcache.library_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, weight_quant, fp4_mma, multimodal,
+                                tap_layers)
+
+    def export():
+        # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
+        arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
+        with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
+            model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp,
+                                      weight_quant=weight_quant, multimodal=multimodal, tap_layers=tap_layers)
+        mod, pspec = model.export_tvm(spec=model.export_spec())
+        with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
+            mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
+        return mod, [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
+
+    return build_cached(target, lib_path, key, export)
 
 
 def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progress = SILENT) -> list[str]:
@@ -146,17 +127,33 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progre
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, vision: bool = True, log=print,
-                  progress: Progress = SILENT) -> Path:
+                  random_weights: int | None = None, vision: bool = True, tap_layers: str | list | None = None,
+                  log=print, progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
     unless asked (--allow-random-weights).
     vision: compile the vision tower when the checkpoint has one (compile/vision_build.py).
+    tap_layers: decoder layers whose outputs prefill_t / verify_t return for a DFlash drafter: ids
+    ("5,19,33") or a drafter directory (its target_layer_ids); None: no tap functions.
+    A DFlash / DFlash2 drafter directory (config.json architectures DFlashDraftModel / DFlash2DraftModel)
+    compiles as a drafter artifact instead (compile/dflash/build.py).
     progress: bars for the library build, the weight conversion and the shard writes."""
     model_dir = Path(model_dir)
+    from .dflash.config import is_drafter_config, parse_tap_layers, read_raw_config
+
+    if is_drafter_config(read_raw_config(model_dir)):
+        if tap_layers is not None or rope_overrides and any(v is not None for v in rope_overrides.values()) \
+                or kv_dtype is not None or kv_hadamard or fp4_mma not in (None, "auto", "off", False):
+            raise ConfigError(f"{model_dir} is a DFlash drafter: --tap-layers, --kv-dtype, --kv-hadamard, --fp4-mma "
+                              "and rope overrides apply to target models only")
+        from .dflash.build import compile_drafter
+
+        return compile_drafter(model_dir, target=target, quant=quant, out_dir=out_dir, name=name,
+                               random_weights=random_weights, log=log)
     cfg = load_config(model_dir)
+    taps = parse_tap_layers(tap_layers, cfg.num_hidden_layers) if tap_layers is not None else ()
     vcfg = load_vision_config(model_dir) if vision else None
     tspec = parse_target(target)
     if quant not in QUANT_MODES:
@@ -210,7 +207,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         vcfg = None  # a VLM config whose checkpoint was saved text-only (or a text-only benchmark artifact)
     with progress.step(f"build {tspec.name} library"):
         specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None)
+                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -243,6 +240,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
                 "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION,
+                **({"tap_layers": list(taps)} if taps else {}),
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
                 **({"vision": vision_section} if vision_section else {})},
     ))

@@ -1,26 +1,21 @@
 """Build a relax module into a shared library, reusing a cached copy of identical builds.
 
-NINFER_LIB_CACHE=DIR keeps one `<key>.so` per build key (geometry, dtypes, target, TVM version and
-the compiler sources hashed by the caller), so test suites and repeated compiles build once.
+NINFER_LIB_CACHE=DIR keeps one library per build key (compile/libcache.py: geometry, dtypes, target, TVM
+version and the syntax trees of the compiler code), so test suites and repeated compiles build once; a hit
+skips the module export as well.
 """
 from __future__ import annotations
 
-import os
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from . import libcache
 from .targets import TargetSpec, cuda_build_env
 
 
-def build_cached(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
+def build(mod, target: TargetSpec, lib_path: Path) -> None:
     """Our build pipelines (CUDA: DLight + our kernels under the stub-driver env; llvm: the CPU schedules of
     compile/cpu_pipeline.py) -> lib_path."""
-    cache = os.environ.get("NINFER_LIB_CACHE")
-    cached = Path(cache) / f"{key}.so" if cache else None
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    if cached is not None and cached.is_file():
-        shutil.copy2(cached, lib_path)
-        return
     tgt = target.tvm_target()
     if target.kind == "cuda":
         from .gpu_pipeline import build_cuda
@@ -31,9 +26,17 @@ def build_cached(mod, target: TargetSpec, lib_path: Path, key: str) -> None:
         from .cpu_pipeline import build_llvm
 
         ex = build_llvm(mod, tgt)
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
     ex.export_library(str(lib_path))
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copy2(lib_path, tmp)
-        os.replace(tmp, cached)
+
+
+def build_cached(target: TargetSpec, lib_path: Path, key: str, export: Callable[[], tuple]) -> list:
+    """The library of build key `key` at lib_path: copied from the cache, or export() -> (relax module,
+    parameter list [(name, shape, dtype)]) built and cached. Returns the parameter list."""
+    specs = libcache.fetch(key, lib_path)
+    if specs is not None:
+        return specs
+    mod, specs = export()
+    build(mod, target, lib_path)
+    libcache.store(key, lib_path, specs)
+    return specs

@@ -14,6 +14,11 @@ Speculative decoding (final hidden states are post-norm, fp32):
       -> (logits[n,V], hidden_out[n,D], mtp_kv_pool)
   mtp_prefill(..., logit_rows[r], mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
   mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
+With tap layers (a DFlash drafter's target_layer_ids, `ninfer compile --tap-layers`):
+  prefill_t(same as prefill) -> (logits[r,V], taps[n, T*D], pools...)
+  verify_t(same as verify) -> (logits[n,V], taps[n, T*D], pools...)
+      taps: the outputs of decoder layers tap_layers (HF hidden_states[id + 1]), concatenated, in the
+      activation dtype; the plain functions are unchanged.
 Images (multimodal=True, Qwen3_5ForConditionalGeneration checkpoints):
   prefill_mm(tokens, positions, rope_positions[n,3], token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
              image_embeds[m,D] f32, row_src[n], pools...) -> (logits[r,V], pools...)
@@ -121,6 +126,36 @@ def _project(linear: nn.Module, x: nn.Tensor, residual: nn.Tensor | None = None)
     if y is not None:
         return y
     return residual + linear(x)
+
+
+@contextlib.contextmanager
+def prefill_gemm_scope(gemm):
+    """Trace a prefill-rows function: projections through the kernel set's prefill GEMM (the decode GEMV's
+    contract and epilogues; sm_90 only). NVFP4 weights ask for weight_format "nvfp4" (no such GEMM: None)
+    and then "dequantized" (the dense GEMM over the weight dequantized once per call); other targets keep
+    their path."""
+
+    def factory(k, o, dtype, out_dtype, epilogue, weight_format=None):
+        if weight_format not in (None, "dequantized"):
+            return None
+        return gemm(k, o, dtype, out_dtype, epilogue)
+
+    token = _GEMV.set(factory if gemm is not None else None)
+    try:
+        yield
+    finally:
+        _GEMV.reset(token)
+
+
+@contextlib.contextmanager
+def decode_gemv_scope(gemv):
+    """Trace a decode-rows function (rows = batch, or a few per sequence): projections through the kernel
+    set's GEMV (None: relax matmuls)."""
+    token = _GEMV.set(gemv)
+    try:
+        yield
+    finally:
+        _GEMV.reset(token)
 
 
 class Linear(nn.Module):
@@ -391,13 +426,16 @@ class MTPHead(nn.Module):
 class Qwen3xForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: str, target_kind: str = "llvm", kv_dtype: str | None = None,
                  kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                 multimodal: bool = False):
+                 multimodal: bool = False, tap_layers: tuple = ()):
         """weight_quant: None (weights in dtype) or "nvfp4" (decoder projections in NVFP4).
         multimodal: also export prefill_mm / decode_mrope (image embeddings, M-RoPE positions).
         kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
         kv_hadamard: rotate Q and K by a normalised Walsh-Hadamard after RoPE.
-        mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl)."""
+        mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl).
+        tap_layers: compile prefill_t / verify_t, which return the outputs of these decoder layers (a
+        DFlash drafter's target_layer_ids); empty: the functions do not exist."""
         self.cfg, self.dtype = cfg, dtype
+        self.tap_layers = tuple(int(i) for i in tap_layers)
         self.kv_dtype = kv_dtype or dtype
         self.weight_quant = weight_quant
         self.multimodal = bool(multimodal)
@@ -422,40 +460,22 @@ class Qwen3xForCausalLM(nn.Module):
         if self.has_mtp:
             self.mtp = MTPHead(cfg, dtype, kernels, kv_hadamard)
 
-    @contextlib.contextmanager
     def _prefill_gemm(self):
-        """Trace a prefill-rows function: projections through the kernel set's prefill GEMM (the decode GEMV's
-        contract and epilogues; sm_90 only). NVFP4 weights ask for weight_format "nvfp4" (no such GEMM: None)
-        and then "dequantized" (the dense GEMM over the weight dequantized once per call); other targets keep
-        their path."""
-        gemm = self._gemm_factory
+        return prefill_gemm_scope(self._gemm_factory)
 
-        def factory(k, o, dtype, out_dtype, epilogue, weight_format=None):
-            if weight_format not in (None, "dequantized"):
-                return None
-            return gemm(k, o, dtype, out_dtype, epilogue)
-
-        token = _GEMV.set(factory if gemm is not None else None)
-        try:
-            yield
-        finally:
-            _GEMV.reset(token)
-
-    @contextlib.contextmanager
     def _decode_gemv(self):
-        """Trace a decode-rows function (rows = batch): projections through the kernel set's GEMV."""
-        token = _GEMV.set(self._gemv_factory)
-        try:
-            yield
-        finally:
-            _GEMV.reset(token)
+        return decode_gemv_scope(self._gemv_factory)
 
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
-              kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None):
+              kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None, taps: list | None = None):
+        """taps: a list that receives the output of every decoder layer in self.tap_layers, in order."""
         rope = (self.rope_inv_freq, self.rope_attn_factor)
         rp = {} if rope_positions is None else {"rope_positions": rope_positions}
+        tap_at = {i: self.tap_layers.index(i) for i in self.tap_layers} if taps is not None else {}
+        if tap_at:
+            taps.extend([None] * len(tap_at))
         if _GEMV.get() is not None:  # residual adds fused into o_proj / out_proj / down_proj
-            for layer in self.model.layers:
+            for li, layer in enumerate(self.model.layers):
                 h = layer.input_layernorm(x)
                 if layer.kind == "full_attention":
                     x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x, **rp)
@@ -463,8 +483,10 @@ class Qwen3xForCausalLM(nn.Module):
                     x, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool,
                                                                recurrent, residual=x)
                 x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
+                if li in tap_at:
+                    taps[tap_at[li]] = x
             return x, kv_pool, conv_pool, ssm_pool
-        for layer in self.model.layers:
+        for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
                 h, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, **rp)
@@ -472,6 +494,8 @@ class Qwen3xForCausalLM(nn.Module):
                 h, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if li in tap_at:
+                taps[tap_at[li]] = x
         return x, kv_pool, conv_pool, ssm_pool
 
     def _logits(self, h):
@@ -557,6 +581,27 @@ class Qwen3xForCausalLM(nn.Module):
                 x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
             hn = self.model.norm(x)
             return self._head(hn), hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+
+    # ---- DFlash drafters: the tap layers' outputs (residual stream, activation dtype) -----------------
+    def prefill_t(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
+                  kv_pool, conv_pool, ssm_pool):
+        """prefill, plus the tap layers' outputs of every row concatenated ([n, len(tap_layers) * D])."""
+        with self._prefill_gemm():
+            taps: list = []
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps)
+            logits = self._logits(op.take(x, logit_rows, axis=0))
+            return logits, op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
+
+    def verify_t(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
+        """verify with the tap layers' outputs of every row instead of the final hidden state."""
+        with self._decode_gemv():
+            taps: list = []
+            x = self.model.embed_tokens(tokens)
+            x, kv_pool, conv_pool, ssm_pool = self._body(
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps)
+            return self._logits(x), op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
 
     def _mtp(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
         """MTP rows: row i pairs the main hidden h at positions[i] with the token at positions[i] + 1;
@@ -671,7 +716,7 @@ class Qwen3xForCausalLM(nn.Module):
         return nn.spec.Tensor(["num_pages", *lay.mtp_page], lay.kv_dtype)
 
     def _spec_export_spec(self, pools: dict, mode: dict) -> dict:
-        """prefill_h / verify always; the MTP functions when the head is compiled."""
+        """prefill_h / verify always; the MTP functions when the head is compiled; prefill_t / verify_t with tap layers."""
         i32 = "int32"
         ragged = {
             "tokens": nn.spec.Tensor(["n"], i32),
@@ -685,6 +730,9 @@ class Qwen3xForCausalLM(nn.Module):
             "prefill_h": {**ragged, "logit_rows": nn.spec.Tensor(["r"], i32), **pools, "$": mode},
             "verify": {**ragged, **pools, "$": mode},
         }
+        if self.tap_layers:
+            out["prefill_t"] = {**ragged, "logit_rows": nn.spec.Tensor(["r"], i32), **pools, "$": mode}
+            out["verify_t"] = {**ragged, **pools, "$": mode}
         if self.has_mtp:
             rows = {
                 "hidden": nn.spec.Tensor(["n", self.cfg.hidden_size], "float32"),

@@ -51,6 +51,11 @@ class CompileOptions:
                                               metavar="F", default_text="config.json's")
     rope_scaling_original_context: Optional[int] = _f(None, "the context the model was trained for", metavar="TOKENS",
                                                       default_text="config.json's")
+    tap_layers: Optional[str] = _f(None, "for --spec dflash|dflash2: also compile prefill_t / verify_t, which return the "
+                                         "outputs of these decoder layers (comma-separated ids, or a DFlash drafter "
+                                         "directory: its target_layer_ids). A DFlash drafter directory given as MODEL "
+                                         "compiles the drafter itself (--quant f32 or bf16: the target's activation "
+                                         "dtype)", metavar="IDS|DRAFTER_DIR", default_text="none")
 
     def resolved(self) -> "CompileOptions":
         """`auto` target and quant made concrete for this machine (TargetError when its GPU has no target)."""
@@ -63,7 +68,7 @@ class CompileOptions:
     def compile_kwargs(self) -> dict:
         """Keyword arguments of compile.build.compile_model (after `resolved()`)."""
         return {"target": self.target, "quant": self.quant, "kv_dtype": self.kv_dtype, "max_context": self.max_context,
-                "kv_hadamard": self.kv_hadamard, "fp4_mma": self.fp4_mma,
+                "kv_hadamard": self.kv_hadamard, "fp4_mma": self.fp4_mma, "tap_layers": self.tap_layers,
                 "rope_overrides": {"scaling_type": self.rope_scaling_type, "factor": self.rope_scaling_factor,
                                    "original_context": self.rope_scaling_original_context}}
 

@@ -607,7 +607,7 @@ def _other_code_doc(r: _SplitMix64) -> str:
                 f"grep -rn \"{r.choice(VERBS)}\" . | head -n {r.between(5, 50)}",
                 f"python -m pytest tests/test_{r.choice(CODE_NAMES)}.py -q",
                 f"echo \"{_clause(r)}\" >> log.txt",
-                f"git log --oneline | wc -l",
+                "git log --oneline | wc -l",
                 f"export {r.choice(CODE_NAMES).upper()}_DIR=\"$HOME/.cache/{r.choice(CODE_NAMES)}\"",
             ]))
         return "\n".join(lines) + "\n"

@@ -8,13 +8,12 @@ Described in manifest extras["vision"] (runtime/vision_encoder.py reads it).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
 import numpy as np
 
 from ..contract import safetensors_io
+from . import libcache
 from .config import ConfigError
 from .lib_build import build_cached
 from .targets import TargetSpec
@@ -52,25 +51,16 @@ def has_vision_weights(names) -> bool:
     return any(n.startswith(_PREFIXES) for n in names)
 
 
-def _cache_key(vcfg: VisionConfig, dtype: str, target: TargetSpec) -> str:
-    import tvm
-
-    h = hashlib.sha256(json.dumps([vcfg.to_dict(), dtype, target.name, tvm.__version__], sort_keys=True).encode())
-    h.update(b"vision")
-    for src in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(src.read_bytes())
-    return h.hexdigest()[:24]
-
-
 def build_vision_library(vcfg: VisionConfig, dtype: str, target: TargetSpec, lib_path: Path) -> list:
     """Export + build the encoder for one target; returns [(name, shape, dtype)] in call order."""
     from .vision_model import Qwen35VisionEncoder
 
-    model = Qwen35VisionEncoder(vcfg, dtype, target.kind)
-    mod, pspec = model.export_tvm(spec=model.export_spec())
-    specs = [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
-    build_cached(mod, target, lib_path, f"{_cache_key(vcfg, dtype, target)}-vision")
-    return specs
+    def export():
+        model = Qwen35VisionEncoder(vcfg, dtype, target.kind)
+        mod, pspec = model.export_tvm(spec=model.export_spec())
+        return mod, [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
+
+    return build_cached(target, lib_path, libcache.vision_key(vcfg, dtype, target), export)
 
 
 def compile_vision(vcfg: VisionConfig, tensors: dict[str, np.ndarray], target: TargetSpec, lm_dtype: str,

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ninfer", description="Compiler-based engine for Qwen3.x hybrid models")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="{compile,serve,generate,bench}")
 
-    c = sub.add_parser("compile", help="compile a Hugging Face model (directory or Hub repo id) into dist/NAME/",
+    c = sub.add_parser("compile", help="compile a Hugging Face model or DFlash drafter (directory or Hub repo id) into dist/NAME/",
                        description="Compile a Hugging Face model into a library, converted weights and a manifest.")
     c.add_argument("model", metavar="MODEL",
                    help="a Hugging Face model directory or a Hub repo id (org/name[@revision], downloaded into the "

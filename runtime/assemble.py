@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..contract.generation import read_generation_defaults
-from .config import EngineConfig
+from .config import DFLASH_METHODS, EngineConfig
 from .engine import Engine
 from .executor.model_runner import ModelRunner
 from .errors import ConfigError
@@ -54,7 +54,13 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
     if cap is None:
         cap = "auto" if runner.device_kind == "cuda" else max_context * cfg.max_concurrency
     if str(cap) == "auto":
-        cap = runner.auto_kv_tokens(cfg.device_slots)
+        extra = 0
+        if cfg.spec in DFLASH_METHODS:  # [dflash hook] the drafter's paged layers share the page ids
+            from .spec.dflash_runner import paged_bytes_per_page
+
+            extra = paged_bytes_per_page(cfg.draft_model)
+        rows = max(int(cfg.prefill_chunk or 0), cfg.max_concurrency * (cfg.draft_tokens + 1))
+        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra, step_rows=rows)
     return int(cap)
 
 
@@ -68,6 +74,10 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
     runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    if cfg.spec in DFLASH_METHODS:  # [dflash hook] before the host tier, which moves it with the pages
+        from .spec.dflash_runner import attach_paged_pool
+
+        attach_paged_pool(runner, cfg.draft_model)
     runner.vision = open_vision(runner, cfg.vision)
     cache = host = None
     if cfg.prefix_reuse:
@@ -86,7 +96,8 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
                          tok.encode(THINK_EARLY_CLOSE, add_special_tokens=False).ids if end_id is not None else [])
     dev = runner.dev
     info = ModelInfo(
-        name=m.name, random_weights=runner.random_weights, architecture=str(m.config.get("architecture") or ""), target=m.target, dtype=m.dtype,
+        name=m.name, random_weights=runner.random_weights, architecture=str(m.config.get("architecture") or ""),
+        target=m.target, dtype=m.dtype,
         kv_dtype=m.kv_dtype, device=f"{runner.device_kind}:{int(getattr(dev, 'index', 0) or 0)}",
         device_name=str(getattr(dev, "device_name", "") or "") if runner.device_kind == "cuda" else "",
         device_total_bytes=int(getattr(dev, "total_global_memory", 0) or 0) if runner.device_kind == "cuda" else 0,

@@ -12,7 +12,8 @@ from typing import Any, Optional
 
 from .errors import ConfigError
 
-SPEC_METHODS = ("none", "mtp", "draft")
+SPEC_METHODS = ("none", "mtp", "draft", "dflash", "dflash2")
+DFLASH_METHODS = ("dflash", "dflash2")  # block drafters: draft tokens up to the drafter's block_size - 1
 MAX_DRAFT_TOKENS = 5
 MAX_CONCURRENCY = 8
 
@@ -60,13 +61,20 @@ class EngineConfig:
     host_ram_reserve_mib: float = _f(2048.0, "RAM that host-tier growth must leave free, MiB")
     max_cache_entries: int = _f(64, "cached execution points (frontiers + checkpoints)", metavar="N")
     # ---- speculative decoding
-    spec: str = _f("none", "speculative decoding: mtp (the model's MTP head) or draft (a second compiled model)",
-                   choices=SPEC_METHODS)
-    draft_tokens: int = _f(3, f"draft tokens proposed per round, 1..{MAX_DRAFT_TOKENS}", metavar="N")
-    draft_model: Optional[str] = _f(None, "spec draft: compiled drafter directory (same tokenizer)", metavar="DIR")
+    spec: str = _f("none", "speculative decoding: mtp (the model's MTP head), draft (a second compiled model), "
+                           "dflash / dflash2 (a compiled DFlash / DFlash2 block drafter)", choices=SPEC_METHODS)
+    draft_tokens: int = _f(3, f"draft tokens proposed per round, 1..{MAX_DRAFT_TOKENS} (dflash / dflash2: "
+                              "1..block_size - 1 of the drafter)", metavar="N")
+    draft_model: Optional[str] = _f(None, "spec draft: compiled drafter directory (same tokenizer); spec dflash / "
+                                          "dflash2: the compiled DFlash drafter (the target needs its tap layers: "
+                                          "ninfer compile --tap-layers DRAFTER_DIR)", metavar="DIR")
     lm_head_draft: Optional[str] = _f(None, "spec mtp: shortlisted proposal head, N (the N lowest token ids) or a "
                                             "file of token ids; verification always uses the full head",
-                                    metavar="N|FILE")
+                                      metavar="N|FILE")
+    forced_acceptance: Optional[float] = _f(None, "BENCHMARK ONLY: force this many tokens per round (kept drafts + "
+                                                  "1, e.g. 3.18) whatever the target says; the output is not the "
+                                                  "model's (ninfer serve needs --allow-forced-acceptance)",
+                                            metavar="T", default_text="off")
 
     # -------------------------------------------------------------------------------------------
     def validate(self) -> "EngineConfig":
@@ -114,21 +122,50 @@ class EngineConfig:
         if self.spec not in SPEC_METHODS:
             raise ConfigError("spec", f"must be one of {', '.join(SPEC_METHODS)}, got {self.spec!r}")
         d = self.draft_tokens
-        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_DRAFT_TOKENS:
-            raise ConfigError("draft_tokens", f"must be an integer in 1..{MAX_DRAFT_TOKENS}, got {d!r}")
+        top = self._block_drafts() if self.spec in DFLASH_METHODS else MAX_DRAFT_TOKENS
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= top:
+            raise ConfigError("draft_tokens", f"must be an integer in 1..{top}, got {d!r}")
+        if self.forced_acceptance is not None:
+            f = self.forced_acceptance
+            if self.spec == "none" or isinstance(f, bool) or not isinstance(f, (int, float)) or not 1 <= f <= d + 1:
+                raise ConfigError("forced_acceptance", f"needs --spec and a number of tokens per round in "
+                                                       f"1..{d + 1} (draft tokens + 1), got {f!r}")
+        if self.spec in DFLASH_METHODS:
+            return
         if self.spec == "draft":
             if not self.draft_model:
                 raise ConfigError("draft_model", "spec draft needs a compiled drafter directory with the same tokenizer")
             if not (Path(self.draft_model) / "manifest.json").is_file():
                 raise ConfigError("draft_model", f"{self.draft_model}: not a compiled model directory (no manifest.json)")
         elif self.draft_model:
-            raise ConfigError("draft_model", "is only used with spec draft")
+            raise ConfigError("draft_model", "is only used with spec draft, dflash or dflash2")
         if self.lm_head_draft is not None:
             if self.spec != "mtp":
                 raise ConfigError("lm_head_draft", "is only used with spec mtp")
             v = str(self.lm_head_draft).strip()
             if (v.isdigit() and int(v) < 1) or (not v.isdigit() and not Path(v).is_file()):
                 raise ConfigError("lm_head_draft", f"must be a positive token count or a file of token ids, got {v!r}")
+
+    def _block_drafts(self) -> int:
+        """spec dflash / dflash2: the drafter artifact's block size - 1 (checks the drafter's kind)."""
+        import json
+
+        if not self.draft_model:
+            raise ConfigError("draft_model", f"spec {self.spec} needs a compiled DFlash drafter directory")
+        path = Path(self.draft_model) / "manifest.json"
+        try:
+            info = json.loads(path.read_text()).get("extras", {}).get("dflash")
+        except (OSError, ValueError):
+            raise ConfigError("draft_model", f"{self.draft_model}: not a compiled model directory (no readable "
+                                             "manifest.json)") from None
+        if not info:
+            raise ConfigError("draft_model", f"{self.draft_model}: not a DFlash drafter (compile the drafter's "
+                                             "Hugging Face directory with `ninfer compile`)")
+        if info.get("kind") != self.spec:
+            raise ConfigError("spec", f"{self.draft_model} is a {info.get('kind')} drafter: use spec {info.get('kind')}")
+        if self.lm_head_draft is not None:
+            raise ConfigError("lm_head_draft", "is only used with spec mtp")
+        return int(info["block_size"]) - 1
 
     # ---- derived sizes -----------------------------------------------------------------------
     @property

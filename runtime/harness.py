@@ -61,11 +61,11 @@ class Harness:
     def prefill(self, batch, all_logits: bool = False) -> list[np.ndarray]:
         return self._run(batch, lambda b: self.runner.prefill(b, all_logits=all_logits))
 
-    def prefill_h(self, batch):
-        return self._run(batch, self.runner.prefill_h)
+    def prefill_h(self, batch, taps: bool = False):
+        return self._run(batch, lambda b: self.runner.prefill_h(b, taps=taps))
 
-    def verify(self, batch):
-        return self._run(batch, self.runner.verify)
+    def verify(self, batch, taps: bool = False):
+        return self._run(batch, lambda b: self.runner.verify(b, taps=taps))
 
     def decode(self, seqs: list[SeqKV], tokens: list[int]) -> np.ndarray:
         return self._run([(s, [t]) for s, t in zip(seqs, tokens)],

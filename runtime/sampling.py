@@ -56,6 +56,8 @@ MAX_TOP_LOGPROBS = 20
 _LOGIT_BIAS_LIMIT = 100.0
 _PENALTY_LIMIT = 2.0
 _TEMPERATURE_MAX = 2.0
+GREEDY_BELOW = 1e-5  # a temperature below this samples greedily
+_REPETITION_MIN = 1e-6  # the penalty divides / multiplies float32 logits: beyond 1e6 either way they overflow or vanish
 # When top_p is on and no top_k is given, first try the _TOP_P_PROBE (then 16x that) most
 # likely tokens; if they already hold top_p of the mass, only they are sorted (no full sort).
 _TOP_P_PROBE = 1024
@@ -153,6 +155,8 @@ class SamplingParams:
         t = number("temperature")
         if not (0.0 <= t <= _TEMPERATURE_MAX):
             raise SamplingError("temperature", f"must be in [0, {_TEMPERATURE_MAX:g}] (0 means greedy), got {t:g}")
+        if 0.0 < t < GREEDY_BELOW:  # logits / t overflows; the distribution is the argmax anyway (as vLLM)
+            self.temperature = 0.0
 
         p = number("top_p")
         if not (0.0 < p <= 1.0):
@@ -173,8 +177,9 @@ class SamplingParams:
                 raise SamplingError(name, f"must be in [-2, 2], got {v:g}")
 
         rp = number("repetition_penalty")
-        if rp <= 0 or math.isinf(rp):
-            raise SamplingError("repetition_penalty", f"must be a finite number > 0 (1 disables it), got {rp:g}")
+        if not (_REPETITION_MIN <= rp <= 1 / _REPETITION_MIN):
+            raise SamplingError("repetition_penalty", f"must be in [{_REPETITION_MIN:g}, {1 / _REPETITION_MIN:g}] "
+                                                      f"(1 disables it), got {rp:g}")
 
         if self.seed is not None and not _is_int(self.seed):
             raise SamplingError("seed", f"must be an integer or null, got {self.seed!r}")
@@ -490,6 +495,12 @@ def _penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[R
             pen = counts * params.frequency_penalty + params.presence_penalty
             x[ids] = (x[ids].astype(np.float64) - pen).astype(np.float32)
     return x
+
+
+def penalised_logits(row: np.ndarray, params: SamplingParams, state: Optional[RowState]) -> np.ndarray:
+    """The logits a request samples from before temperature and truncation (logit_bias, penalties):
+    what a proposer ranks its candidates by (DFlash2's selector)."""
+    return _penalised_logits(row, params, state)
 
 
 def argmax(x: np.ndarray) -> int:

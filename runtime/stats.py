@@ -4,7 +4,7 @@ objects across threads)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -40,6 +40,7 @@ class SpecCounters:
     recompute_tokens: int = 0
     rollbacks: int = 0
     no_draft_rounds: int = 0
+    forced_acceptance: Optional[float] = None  # BENCHMARK ONLY: forced tokens per round (spec/forced.py)
 
     @property
     def acceptance_rate(self) -> float:

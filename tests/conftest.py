@@ -10,6 +10,14 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("NINFER_LIB_CACHE", str(ROOT / "build" / "libcache"))
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
+# Property tests draw the same examples on every run (a CI failure replays anywhere, none appears at random);
+# NINFER_HYPOTHESIS=explore draws fresh ones and keeps hypothesis' example database.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("suite", derandomize=True, database=None)
+_hypothesis_settings.register_profile("explore")
+_hypothesis_settings.load_profile("explore" if os.environ.get("NINFER_HYPOTHESIS") == "explore" else "suite")
+
 
 # ---- HTTP server (tests/test_server_*.py) ---------------------------------------------------
 # One real engine on the embedded tiny model, shared by every server test; the servers are

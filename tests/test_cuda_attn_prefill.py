@@ -2,8 +2,8 @@
 prefill_source), checked on a machine without a GPU:
 
 * calls with n >= prefill_min tokens launch it (host branch), fewer tokens keep the split attend launch;
-* its generated CUDA run on the CPU emulator of bench/attn_gpu_check.py (fibers per thread; shuffles,
-  barriers, ldmatrix, cp.async and mma.m16n8k16 emulated) matches the float64 reference: several
+* its generated CUDA run on the CPU emulator (ninfer_mlc.compile.kernels.cuda.emulate: fibers per thread;
+  shuffles, barriers, ldmatrix, cp.async and mma.m16n8k16 emulated) matches the float64 reference: several
   sequences in one row tile, ragged lengths, chunks appended after existing context, the 27B
   geometry (G = 6, D = 256) and a small one (G = 4, D = 64);
 * it compiles for sm_90 without register spills (needs nvcc).
@@ -13,18 +13,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-
-def _check():
-    import attn_gpu_check
-
-    return attn_gpu_check
+from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib, cuda_source
+from ninfer_mlc.compile.kernels.cuda.emulate import attention as C
 
 
 def test_prefill_path_selection():
@@ -46,11 +39,10 @@ def test_prefill_path_selection():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_prefill_cuda_source_on_cpu_emulator():
-    C = _check()
     cases = {m["name"]: m for m in C.all_cases()}
     names = ("emu_bf16_pf", "emu_bf16small_pf", "emu_bf16_prefill")  # the last: n < 64, split path
-    lib = C.EmuLib(C.kernel_funcs(baseline=False, variants=False, tags={cases[n]["tag"] for n in names}))
-    ran = [k for k, *_ in lib.launches["new_bf16"]]
+    lib = EmuLib(C.kernel_funcs(tags={cases[n]["tag"] for n in names}))
+    ran = lib.kernel_names("new_bf16")
     assert len(ran) == 4  # append, prefill attend, split attend, combine
     for name in names:
         r = C.emulate_case(cases[name], lib)
@@ -63,7 +55,7 @@ def test_prefill_kernel_compiles_without_spills(tmp_path):
     from ninfer_mlc.compile.kernels.registry import kernel_set
 
     f = kernel_set("cuda").paged_attention(24, 4, 256, 64, 16, "bfloat16", 1 / 16).with_attr("global_symbol", "attn")
-    src, host = _check().cuda_source({"attn": f})
+    src, host = cuda_source({"attn": f})
     assert "__launch_bounds__(128, 2) attn_kernel_1(" in src and "ldmatrix.sync.aligned.m8n8.x4.trans" in src
     # the dynamic shared memory of the prefill launch is the whole Q + double-buffered K/V tile
     from ninfer_mlc.compile.kernels.cuda import attention as A

@@ -1,18 +1,15 @@
 """The fused GDN prefill kernels (compile/kernels/cuda/gdn_prep.py) as generated CUDA on the CPU emulator
-of bench/attn_gpu_check.py, against a numpy reference of the relax path they replace (causal conv over
-ragged rows with stored tails, silu, activation-dtype rounding, L2 norms, gated RMSNorm)."""
+(ninfer_mlc.compile.kernels.cuda.emulate), against a numpy reference of the relax path they replace (causal
+conv over ragged rows with stored tails, silu, activation-dtype rounding, L2 norms, gated RMSNorm)."""
 from __future__ import annotations
 
 import shutil
-import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None,
-                                reason="needs nvcc and g++")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 HK, HV, D, K, LAYERS, LAYER = 2, 4, 64, 4, 3, 1
 EPS = 1e-6
@@ -50,10 +47,8 @@ def _reference(x, cu, slot, pool, w, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gdn_prep_and_gated_norm_on_cpu_emulator(dtype, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import attn_gpu_check
-
     from ninfer_mlc.compile.kernels.cuda import gdn_prep
+    from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
 
     C, VD = 2 * HK * D + HV * D, HV * D
     rng = np.random.default_rng(3)
@@ -69,7 +64,7 @@ def test_gdn_prep_and_gated_norm_on_cpu_emulator(dtype, tmp_path):
 
     prep = gdn_prep.gdn_prep(HK, HV, D, D, K, LAYERS, dtype).with_attr("global_symbol", "prep")
     gn = gdn_prep.gdn_gated_norm(HK, HV, D, D, dtype, EPS).with_attr("global_symbol", "gnorm")
-    lib = attn_gpu_check.EmuLib({"prep": prep, "gnorm": gn}, workdir=tmp_path)
+    lib = EmuLib({"prep": prep, "gnorm": gn}, workdir=tmp_path)
     nan = np.float32("nan")
     arrs = dict(x=x, cu=cu, slot=slot, pool=pool.copy(), w=w, q=np.full((n, HK, D), nan, np.float32),
                 k=np.full((n, HK, D), nan, np.float32), v=np.full((n, HV, D), nan, np.float32))

@@ -1,21 +1,19 @@
-"""The CUDA MoE kernels (compile/kernels/cuda/moe.py) as generated CUDA on the CPU emulator of
-bench/attn_gpu_check.py, against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
-the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core, NVFP4 in-register dequantization and FMA
+"""The CUDA MoE kernels (compile/kernels/cuda/moe.py) as generated CUDA on the CPU emulator
+(compile/kernels/cuda/emulate), against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
+the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core,
+NVFP4 in-register dequantization and FMA
 paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders) and the combine; plus the wiring of the
 MoE block on CUDA and a compile check of the 35B-A3B shapes for sm_90 / sm_120."""
 from __future__ import annotations
 
 import re
 import shutil
-import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-emu = pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("g++") is None, reason="needs nvcc and g++")
+emu = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
 def _np_dt(dtype):
@@ -82,13 +80,12 @@ def _case_funcs(case) -> dict:
 @pytest.fixture(scope="module")
 def emu_lib(tmp_path_factory):
     """Every case's kernels in one emulator build (one g++ run)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    import attn_gpu_check as C
+    from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
 
     funcs = {}
     for case in CASES:
         funcs.update(_case_funcs(case))
-    return C.EmuLib(funcs, workdir=tmp_path_factory.mktemp("moe_emu"))
+    return EmuLib(funcs, workdir=tmp_path_factory.mktemp("moe_emu"))
 
 
 @emu
@@ -121,11 +118,10 @@ def test_moe_kernels_on_cpu_emulator_match_llvm(case, emu_lib):
     def lib(role, arrays, scalars):
         return emu_lib(f"{name}__{role}", arrays, scalars)
 
-    lib.launches = {k.split("__")[1]: v for k, v in emu_lib.launches.items() if k.startswith(name + "__")}
     ids, w = np.full((n, K + 1), -1, np.int32), np.full((n, K + 1), np.nan, np.float32)
     order, route = np.full(n * P, -1, np.int32), np.full(M.route_len(Ex), -1, np.int32)
     lib("route", dict(logits=logits, ids=ids, w=w, order=order, route=route), dict(n=n))
-    assert len(lib.launches["route"]) == 3  # one block up to ROUTE_FUSED_MAX tokens, else top-k then align
+    assert len(emu_lib.kernel_names(f"{name}__route")) == 3  # one block up to ROUTE_FUSED_MAX tokens, else top-k then align
     np.testing.assert_array_equal(ids, ids_ref)
     np.testing.assert_allclose(w, w_ref, rtol=1e-6, atol=1e-7)
 

@@ -1,5 +1,5 @@
 """The vision tower's CUDA attention (compile/kernels/cuda/vision_attention.py) without a GPU: its generated
-CUDA run on the CPU emulator of bench/attn_gpu_check.py against a float64 per-image softmax attention
+CUDA run on the CPU emulator (compile/kernels/cuda/emulate) against a float64 per-image softmax attention
 (three images whose patches straddle the 64-patch query tiles), and the 27B geometry (16 heads x 72)
 compiled for sm_90 without register spills (needs nvcc)."""
 from __future__ import annotations
@@ -7,16 +7,13 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-from ninfer_mlc.compile.kernels.cuda.vision_attention import vit_attention  # noqa: E402
+from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib, cuda_source
+from ninfer_mlc.compile.kernels.cuda.vision_attention import vit_attention
 
 
 def _reference(q, k, v, cu):
@@ -33,10 +30,8 @@ def _reference(q, k, v, cu):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 8e-3)])
 def test_vit_attention_cuda_source_on_cpu_emulator(dtype, tol):
-    import attn_gpu_check as C
-
     heads, dim, lens = 2, 16, [40, 70, 30]
-    lib = C.EmuLib({"vit": vit_attention(heads, dim, dtype).with_attr("global_symbol", "vit")})
+    lib = EmuLib({"vit": vit_attention(heads, dim, dtype).with_attr("global_symbol", "vit")})
     n = sum(lens)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     seg = np.repeat(np.arange(len(lens)), lens).astype(np.int32)
@@ -51,9 +46,7 @@ def test_vit_attention_cuda_source_on_cpu_emulator(dtype, tol):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_vit_attention_27b_geometry_compiles_without_spills(tmp_path):
-    import attn_gpu_check as C
-
-    src, _ = C.cuda_source({"vit": vit_attention(16, 72, "bfloat16").with_attr("global_symbol", "vit")})
+    src, _ = cuda_source({"vit": vit_attention(16, 72, "bfloat16").with_attr("global_symbol", "vit")})
     (tmp_path / "vit.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "--ptxas-options=-v",
                         str(tmp_path / "vit.cu"), "-o", str(tmp_path / "vit.cubin")], capture_output=True, text=True,

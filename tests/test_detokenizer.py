@@ -57,7 +57,11 @@ text_alphabet = st.one_of(
 def test_random_text_roundtrip(tok, text):
     ids = tok.encode(text).ids
     deltas, final, d = stream(tok, ids)
-    assert "".join(deltas) + final == tok.decode(ids) == text
+    assert "".join(deltas) + final == tok.decode(ids)
+    specials = [t.content for t in tok.get_added_tokens_decoder().values() if t.special]
+    if any(s in text for s in specials):
+        return  # the literal text of a special token encodes to that token, which decoding skips
+    assert tok.decode(ids) == text
     if not text.endswith("\ufffd"):
         # valid text: everything is out by the last token (a literal U+FFFD at the very end
         # is indistinguishable from an incomplete character and waits for flush)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -315,12 +313,11 @@ def test_api_errors(lib):
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_cuda_kernels_on_cpu_emulator():
     """The generated CUDA of process / select / logprobs / append (1024-thread blocks) run in the CPU emulator
-    of bench/attn_gpu_check.py matches the llvm sampler on rows covering every path (greedy, top_k gathered and
-    not, top_p over the vocabulary, min_p, penalties, masks incl. an all-masked row, -inf / NaN / +inf rows)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import sampler_gpu_check
+    (compile/kernels/cuda/emulate) matches the llvm sampler on rows covering every path (greedy, top_k gathered
+    and not, top_p over the vocabulary, min_p, penalties, masks incl. an all-masked row, -inf / NaN / +inf rows)."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.sampler import run_emulation
 
-    rows = sampler_gpu_check.run_emulation(threads=1024, vocabs=(1500,), seeds=(0,), log=lambda *_: None)
+    rows = run_emulation(threads=1024, vocabs=(1500,), seeds=(0,), log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
 
@@ -332,14 +329,12 @@ def test_cuda_kernels_compile_without_spills(tmp_path):
     import re
     import subprocess
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import attn_gpu_check
-
+    from ninfer_mlc.compile.kernels.cuda.emulate import cuda_source
     from ninfer_mlc.compile.kernels.cuda.sampling import sampler_kernels
 
     k = sampler_kernels(248320)
     names = ("process", "select", "logprobs", "append", "counts_add")
-    src, _ = attn_gpu_check.cuda_source({f"s_{n}": getattr(k, n).with_attr("global_symbol", f"s_{n}") for n in names})
+    src, _ = cuda_source({f"s_{n}": getattr(k, n).with_attr("global_symbol", f"s_{n}") for n in names})
     (tmp_path / "s.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "-Xptxas", "-v", str(tmp_path / "s.cu"),
                         "-o", str(tmp_path / "s.cubin")], capture_output=True, text=True, check=True)

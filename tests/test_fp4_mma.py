@@ -33,7 +33,6 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from ninfer_mlc.compile import nvfp4 as F  # noqa: E402
 from ninfer_mlc.compile.kernels.cuda import fp4_mma as K  # noqa: E402
@@ -352,18 +351,16 @@ def test_tiny_model_builds_for_sm120_with_fp4_mma(tmp_path, monkeypatch):
     import json
 
     pytest.importorskip("torch")
-    from extract_fatbin import fatbin_entries, find_fatbins
     from hf_tiny import make_hf_model, save_hf
 
     from ninfer_mlc.compile.build import compile_model
     from ninfer_mlc.compile.config import ConfigError
+    from ninfer_mlc.compile.fatbin import fatbin_entries, find_fatbins
     from ninfer_mlc.compile.gpu_pipeline import last_report
 
     hf_dir = save_hf(make_hf_model("qwen3_5", seed=3), tmp_path / "hf")
     with pytest.raises(ConfigError, match="fp4-mma"):
         compile_model(hf_dir, target="cuda:sm_90", quant="nvfp4", fp4_mma="on", out_dir=tmp_path / "x", log=lambda *_: None)
-    import tvm.s_tir.tensor_intrin  # noqa: F401 - imported from deep inside the build it takes ~1 min (inspect.stack)
-
     monkeypatch.delenv("NINFER_LIB_CACHE", raising=False)  # compile for real: the source dump is the check
     monkeypatch.setenv("NINFER_CUDA_SOURCE_DIR", str(tmp_path / "src"))
     art = compile_model(hf_dir, target="cuda:sm_120", quant="nvfp4", out_dir=tmp_path / "art", name="tiny-fp4",

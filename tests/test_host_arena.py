@@ -6,7 +6,7 @@ import random
 import threading
 
 import pytest
-from hypothesis import HealthCheck, assume, settings
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -15,7 +15,6 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     multiple,
-    precondition,
     rule,
 )
 

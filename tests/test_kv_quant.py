@@ -316,18 +316,16 @@ def test_kv_dtype_flag_validation(tiny, capsys):
     assert page["fp8"] == 64 * 2 * 2 * (32 + 4)
 
 
-def test_kv_bench_reports_artifact(tiny, tmp_path):
-    import importlib.util
-    import json
-    from pathlib import Path
+def test_pool_layout_sizes_match_artifact(tiny):
+    """The contract's pool arithmetic (bytes per token of bf16 and nvfp4 pages, as bench/kv_bench.py reports
+    them) agrees with the page size of a loaded nvfp4 artifact."""
+    from ninfer_mlc.contract.manifest import read_manifest
+    from ninfer_mlc.contract.pool_layout import PoolLayout
 
-    spec = importlib.util.spec_from_file_location(
-        "kv_bench", Path(__file__).resolve().parent.parent / "bench" / "kv_bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = tmp_path / "kv.json"
-    r = bench.main([str(_art(tiny, "nvfp4")), "--measure", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(r))
-    assert r["measured"]["bytes_per_token"] == r["kv"]["nvfp4"]["bytes_per_token"] == 2 * 2 * 18
-    assert r["kv"]["bf16"]["bytes_per_token"] == 2 * 2 * 32 * 2
-    assert r["kv"]["nvfp4"]["tokens_per_gib"] == (1 << 30) // 72
+    art = _art(tiny, "nvfp4")
+    m = read_manifest(art, verify="none")
+    per_token = {kv: PoolLayout.of(m.config, m.dtype, kv).kv_bytes_per_token() for kv in ("bfloat16", "nvfp4")}
+    runner = Harness(art, kv_capacity_tokens=1, num_slots=1, verify="none")
+    assert m.kv_dtype == "nvfp4"
+    assert runner.page_bytes // runner.page_size == per_token["nvfp4"] == 2 * 2 * 18
+    assert per_token["bfloat16"] == 2 * 2 * 32 * 2

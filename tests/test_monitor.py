@@ -89,7 +89,8 @@ def site(tmp_path_factory):
                 h = eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
                 fin = list(h.iter_sync(timeout=120))[-1]
             assert isinstance(fin, Finished)
-            first = ids if i == 0 else first
+            if i == 0:
+                first = ids
             http.record_request(f"chatcmpl-monitor-{i}", fin.timings, finish_reason=fin.reason, api="openai.chat",
                                 usage=fin.usage)
         # a follow-up that continues request 0 from its cached frontier: one prefix-cache hit
@@ -127,7 +128,7 @@ def _text_of(dom: str, el_id: str) -> str:
 def test_dashboard_fills_live_values(site):
     base, tmp = site
     s = _stats(base)  # the engine is idle: these numbers do not move while the page loads
-    p, m, c = s["pressure"], s["memory"], s["counters"]
+    p, c = s["pressure"], s["counters"]
     assert p["device_kv_occupied_pages"] > 0 and p["host_kv_occupied_bytes"] > 0
     res = _chrome(base + "/monitor", tmp, "--dump-dom")
     dom = res.stdout

@@ -167,7 +167,6 @@ def test_presence_frequency_apply_to_generated_only():
 
 
 def test_repetition_penalty_rollback_and_mask():
-    V = 8
     logits = np.array([1, -1, 2, -2, 0.5, 0.5, 3, -3], np.float32)
     params = SamplingParams(temperature=1.0, repetition_penalty=2.0)
     state = RowState(params, prompt_token_ids=[0])
@@ -392,8 +391,8 @@ BAD = [
     ("min_p", dict(min_p=1.5), "[0, 1]"),
     ("presence_penalty", dict(presence_penalty=2.5), "[-2, 2]"),
     ("frequency_penalty", dict(frequency_penalty=-3), "[-2, 2]"),
-    ("repetition_penalty", dict(repetition_penalty=0), "> 0"),
-    ("repetition_penalty", dict(repetition_penalty=-1.0), "> 0"),
+    ("repetition_penalty", dict(repetition_penalty=0), "must be in"),
+    ("repetition_penalty", dict(repetition_penalty=-1.0), "must be in"),
     ("max_tokens", dict(max_tokens=0), "at least 1"),
     ("max_tokens", dict(max_tokens=1.5), "integer"),
     ("stop", dict(stop=[f"s{i}" for i in range(17)]), "at most 16"),
@@ -491,3 +490,19 @@ def test_large_vocab_batch_is_fast():
     per_step = (time.perf_counter() - t0) / 5
     assert toks.shape == (B,) and (toks >= 0).all() and (toks < V).all()
     assert per_step < 0.25, per_step  # generous: ~10-30 ms on a laptop core
+
+
+def test_numeric_extremes_are_greedy_or_refused():
+    """Found by the server fuzz: a denormal temperature overflowed logits / t, a repetition penalty below float32's
+    range became 0 and turned logits into NaN. Now a temperature below GREEDY_BELOW is greedy (as vLLM does) and a
+    penalty outside [1e-6, 1e6] is refused naming the field."""
+    from ninfer_mlc.runtime.sampling import GREEDY_BELOW, SamplingError, SamplingParams
+
+    p = SamplingParams(temperature=1e-300).validate()
+    assert p.temperature == 0 and p.greedy
+    assert SamplingParams(temperature=GREEDY_BELOW).validate().temperature == GREEDY_BELOW
+    for rp in (1e-300, 1e-7, 1e7):
+        with pytest.raises(SamplingError) as e:
+            SamplingParams(repetition_penalty=rp).validate()
+        assert e.value.param == "repetition_penalty"
+    SamplingParams(repetition_penalty=1e-6).validate()

@@ -5,6 +5,7 @@ connection of the next request. Every answer is counted by status and error type
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -86,6 +87,26 @@ def test_a_500_keeps_the_connection_and_is_counted(srv):
             assert 'ninfer_http_responses_by_status_total{status="500"}' in metrics
     finally:
         state.template.render = real
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_gone_before_its_body_arrived_is_a_499_not_a_500(srv, path):
+    """Found by the soak test: a client cancelled while its body was on the way raised starlette's
+    ClientDisconnect out of the route, logged with a traceback and counted as a 500 of ours."""
+    def by_status():
+        with httpx.Client(base_url=srv.url, timeout=30) as c:
+            return c.get("/stats").json()["http"]["responses_by_status"]
+
+    before = by_status()
+    with socket.create_connection((srv.host, srv.port), timeout=10) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: 1000\r\n\r\n{{\"messages\": [".encode())
+        time.sleep(0.1)  # the route is reading the body when the connection goes
+    t_end = time.monotonic() + 10
+    while (now := by_status()).get("499", 0) == before.get("499", 0):
+        assert time.monotonic() < t_end, now
+        time.sleep(0.02)
+    assert now.get("500", 0) == before.get("500", 0), now
 
 
 def test_rejected_requests_reach_the_request_log(srv):

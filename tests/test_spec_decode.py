@@ -47,12 +47,12 @@ def prompts(tok):
     return [tok.encode(p).ids for p in PROMPTS]
 
 
-def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=None, **opts):
+def generate(prompts, params_for, spec="none", k=3, concurrency=4, kv_tokens=None, art=ART, **opts):
     """Token ids of every request (logprobs on, so every token reaches the event stream), stats."""
     o = EngineConfig(max_concurrency=concurrency, max_pending_requests=len(prompts), max_context=1024, host_kv_mib=0,
                       spec=spec, draft_tokens=k, **opts)
     o.kv_capacity = kv_tokens
-    eng = open_engine(ART, o)
+    eng = open_engine(art, o)
     try:
         hs = [eng.submit(GenRequest(p, params_for(i))) for i, p in enumerate(prompts)]
         outs, timings = [], []
@@ -278,7 +278,7 @@ def _accept_trials(p, q, trials, broken=False):
     """First emitted token of one speculative step with a single draft from q, target p."""
     sampler = Sampler()
     params = SamplingParams(temperature=1.0)
-    lp, lq = np.log(p).astype(np.float32), np.log(q).astype(np.float32)
+    lp = np.log(p).astype(np.float32)
     out = []
     for s in range(trials):
         row = RowState(params, rng=np.random.default_rng(s))

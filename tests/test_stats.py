@@ -53,7 +53,7 @@ REQUIRED = {
 }
 
 
-def _opts(**kw) -> EngineOptions:
+def _opts(**kw) -> EngineConfig:
     base = dict(kv_capacity=1024, max_concurrency=2, max_context=1024, prefill_chunk=128, default_max_tokens=16, device_state_slots=1,
                 host_kv_mib=8, host_state_slots=2, host_ram_reserve_mib=0, max_cache_entries=64)
     base.update(kw)
@@ -351,7 +351,7 @@ def test_routes(served):
 def test_stats_under_load(served):
     """Polling while requests run: every snapshot is well-formed and within bounds."""
     eng, http, _, _ = served
-    errors, done = [], threading.Event()
+    errors: list = []
 
     def client(k):
         try:

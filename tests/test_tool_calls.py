@@ -384,7 +384,8 @@ def test_arguments_json_keeps_unicode():
 
 
 def test_empty_non_string_value_omitted_string_kept():
-    text = "<tool_call>\n<function=get_weather>\n<parameter=city>\n</parameter>\n<parameter=days>\n\n</parameter>\n</function>\n</tool_call>"
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n</parameter>\n<parameter=days>\n\n</parameter>\n"
+            "</function>\n</tool_call>")
     r = parse_tool_calls(text, TOOLS)
     assert r.calls[0].arguments == {"city": ""}
 

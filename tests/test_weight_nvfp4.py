@@ -96,30 +96,24 @@ def test_nvfp4_model_matches_hf_with_dequantized_weights(tmp_path, modelopt):
 @pytest.mark.skipif(__import__("shutil").which("g++") is None, reason="needs g++")
 def test_gemv_nvfp4_register_dequant_is_exact(tmp_path):
     """ninfer_nvfp4_dq32 (the C text the CUDA kernel inlines; only its bf16x2 multiply is emulated here,
-    as bench/gemv_gpu_check.py's emulator does) turns every code in every nibble position and every E4M3
-    scale byte (zero and subnormals included) into exactly bf16(e2m1 * e4m3 * 2^-NVFP4_SHIFT)."""
+    as the CPU emulator of ninfer_mlc.compile.kernels.cuda.emulate does) turns every code in every nibble
+    position and every E4M3 scale byte (zero and subnormals included) into exactly
+    bf16(e2m1 * e4m3 * 2^-NVFP4_SHIFT)."""
     import ctypes
-    import subprocess
-    import sys
-    from pathlib import Path
 
     import ml_dtypes
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-    import gemv_gpu_check
-
     from ninfer_mlc.compile.kernels.cuda import gemv as G
+    from ninfer_mlc.compile.kernels.cuda.emulate import prelude
+    from ninfer_mlc.compile.kernels.cuda.emulate.lib import compile_shared
 
-    src = gemv_gpu_check._SHIM + G._NVFP4_DQ_BODY + r"""
+    src = prelude.source() + r"""
 extern "C" void dq(const unsigned* w, const unsigned* sc, unsigned* out, int calls) {
   for (int c = 0; c < calls; ++c)
     ninfer_nvfp4_dq32(out + 16 * c, w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3], sc[c]);
 }
 """
-    (tmp_path / "dq.cpp").write_text(src)
-    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o", str(tmp_path / "dq.so"),
-                    str(tmp_path / "dq.cpp")], check=True)
-    lib = ctypes.CDLL(str(tmp_path / "dq.so"))
+    lib = compile_shared(src, tmp_path, "dq")
     rng = np.random.default_rng(0)
     pairs = np.arange(256, dtype=np.uint32)  # (nibble i, nibble i+4) = (p & 15, p >> 4) in every position i
     words = np.concatenate([(pairs & 15) * 0x1111 | (pairs >> 4) * 0x11110000,
@@ -141,25 +135,3 @@ extern "C" void dq(const unsigned* w, const unsigned* sc, unsigned* out, int cal
     lo = want[:, :, 0:4].reshape(-1, 16).astype(np.uint32)  # d[4m+i] = (element 8m+i, element 8m+i+4)
     hi = want[:, :, 4:8].reshape(-1, 16).astype(np.uint32)
     np.testing.assert_array_equal(out, lo | (hi << 16))
-
-
-@pytest.mark.skipif(__import__("shutil").which("nvcc") is None or __import__("shutil").which("gcc") is None,
-                    reason="needs nvcc and gcc")
-def test_nvfp4_model_builds_for_sm90_with_decode_gemv(tmp_path):
-    """`ninfer compile --quant nvfp4 --target cuda:sm_90`: the decode GEMVs over the NVFP4 buffers are
-    thread-bound kernels of the fatbin library."""
-    import json
-
-    from ninfer_mlc.compile.gpu_pipeline import last_report
-
-    hf_dir = save_hf(make_hf_model("qwen3_5", seed=3), tmp_path / "hf")
-    art = compile_model(hf_dir, target="cuda:sm_90", quant="nvfp4", out_dir=tmp_path / "art", name="tiny-nvfp4-sm90",
-                        log=lambda *_: None)
-    m = json.loads((art / "manifest.json").read_text())
-    assert m["target"] == "cuda-sm_90" and m["extras"]["fp4_mma"] is False
-    data = (art / m["library"]).read_bytes()
-    assert b"\x50\xed\x55\xba" in data and b"__global__" not in data
-    report = last_report()
-    if report:  # empty when the library came from the test cache
-        nv = {k: v for k, v in report.items() if k.startswith("gemv_nvfp4")}
-        assert nv and set(nv.values()) == {"thread-bound"}, report

@@ -11,6 +11,8 @@ attention_quant.py).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 from .attention_quant import QUANT_KV_DTYPES, paged_attention_quant
@@ -31,6 +33,7 @@ def exp_nonpos(x):
     return (p * r * r + r + T.float32(1)) * T.reinterpret("float32", T.shift_left(n + 127, 23))
 
 
+@lru_cache(maxsize=None)
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None,

@@ -9,11 +9,14 @@ Portable (llvm) versions: plain loops, fp32 math. Exponents are always <= 0 (see
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 CHUNK = 64
 
 
+@lru_cache(maxsize=None)
 def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str):
     """Depthwise causal conv + SiLU over each row's tokens, continuing from its stored tail."""
     taps = kernel - 1
@@ -58,6 +61,7 @@ def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str):
     return conv
 
 
+@lru_cache(maxsize=None)
 def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = CHUNK):
     """Chunked gated delta rule (WY/UT form, chunk 64) starting from each row's stored state.
 
@@ -146,6 +150,7 @@ def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk:
     return gdn_chunk
 
 
+@lru_cache(maxsize=None)
 def recurrent_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
     """One decode step per batch row: decay, delta update, read (FLA fused_recurrent order)."""
     r = hv // hk

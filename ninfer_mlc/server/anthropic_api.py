@@ -9,7 +9,8 @@ Every field value the real API documents is accepted; what has no meaning for a 
 is ignored, never answered with a 400. Thinking: ``enabled`` thinks, ``disabled`` does not,
 ``adaptive`` (the model decides; Claude Code's default) follows the server's template default
 (``--no-thinking``); a request without ``thinking`` does not think, as with the real API, unless
-the server runs with ``--messages-thinking-default on`` (then the server default decides too). ``role: "system"`` messages inside ``messages``
+the server runs with ``--messages-thinking-default on`` (then the server default decides too).
+``role: "system"`` messages inside ``messages``
 are folded into the adjacent user turn (server/system_fold.py).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .fields import (
 )
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, anthropic_image_block
+from .openapi_doc import COUNT_TOKENS_REQUEST, MESSAGES_REQUEST, error_responses, request_body
 from .schema_check import check_schema
 from .sse import SSEResponse, sse_event
 
@@ -474,13 +476,14 @@ class MessageStreamer:
 
 
 # ---- routes -------------------------------------------------------------------------------
-@router.api_route("/api/hello", methods=["GET", "HEAD"])
+@router.get("/api/hello", operation_id="hello_get")
+@router.head("/api/hello", operation_id="hello_head")
 async def hello():
     """Claude Code's connectivity probe (``HEAD {ANTHROPIC_BASE_URL}/api/hello``)."""
     return JSONResponse({"status": "ok"})
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MESSAGES_REQUEST), responses=error_responses(True))
 async def messages(request: Request):
     state = _state(request)
     rid = new_id("req_")
@@ -530,7 +533,8 @@ async def _messages_sse(handle, streamer: MessageStreamer, events):
         gen.release(handle)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(COUNT_TOKENS_REQUEST),
+             responses=error_responses(True, (400, 401, 413, 429)))
 async def count_tokens(request: Request):
     state = _state(request)
     body = await read_json(request, state.config.max_request_bytes)

@@ -6,7 +6,7 @@ import json
 import secrets
 from typing import Any, Optional
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from .errors import APIError, bad_request
 
@@ -51,18 +51,11 @@ async def read_json(request: Request, limit: int) -> dict:
     cl = request.headers.get("content-length")
     if cl is not None and cl.isdigit() and int(cl) > limit:
         raise _too_large(int(cl), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            if size <= _DRAIN_CAP:  # read the rest so the client gets to see the 413
-                async for more in request.stream():
-                    size += len(more)
-                    if size > _DRAIN_CAP:
-                        break
-            raise _too_large(size, limit)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        raw = await _read_body(request, limit)
+    except ClientDisconnect:  # nobody to answer: a 499 (client closed request), not a 500 of ours
+        raise APIError(499, "the client closed the connection before its request body arrived",
+                       code="client_disconnected") from None
     if not raw.strip():
         raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -76,6 +69,21 @@ async def read_json(request: Request, limit: int) -> dict:
         raise bad_request("the request body must be a JSON object", code="invalid_json")
     check_json(body)
     return body
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            if size <= _DRAIN_CAP:  # read the rest so the client gets to see the 413
+                async for more in request.stream():
+                    size += len(more)
+                    if size > _DRAIN_CAP:
+                        break
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _too_large(size: int, limit: int) -> APIError:
@@ -93,6 +101,12 @@ def request_id(request: Request) -> str:
     if rid and len(rid) <= 128 and rid.isascii() and rid.isprintable() and " " not in rid:
         return rid
     return new_id("req_")
+
+
+def one_of(v: Any, names) -> bool:
+    """``v`` is one of the strings ``names``. A JSON array or object is none of them (and cannot even be
+    looked up in a set: ``[] in {"a"}`` raises TypeError, a 500 where the client deserves a 400)."""
+    return isinstance(v, str) and v in names
 
 
 def type_name(v: Any) -> str:

@@ -30,7 +30,10 @@ def bind_port(host: str, port: int, flag: str) -> socket.socket:
     if not 0 <= port <= 65535:
         raise CLIError(f"{flag} must be in 0..65535, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto named: asyncio sets TCP_NODELAY only on connections whose socket says IPPROTO_TCP; one made with
+    # proto 0 leaves Nagle on, and a kept-alive client then waits out its delayed ACK (40 ms) on every answer
+    # written in more than one piece (headers then body, each SSE event)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse TIME_WAIT ports
     try:
         sock.bind((host, port))

@@ -37,21 +37,21 @@ def register_monitoring_routes(app: FastAPI, get_engine: Callable[[], Any], http
         eng = get_engine()
         return None if eng is None else build_stats(eng, http_counters, model_id=model_id)
 
-    @app.get("/stats", include_in_schema=False)
+    @app.get("/stats")
     def ninfer_stats():
         doc = current()
         if doc is None:
             return JSONResponse(_UNAVAILABLE, status_code=503, headers=_NO_STORE)
         return JSONResponse(doc, headers=_NO_STORE)
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/metrics")
     def ninfer_metrics():
         doc = current()
         if doc is None:
             return Response("# the engine is not loaded\n", status_code=503, media_type=METRICS_CONTENT_TYPE)
         return Response(prometheus_text(doc), media_type=METRICS_CONTENT_TYPE, headers=_NO_STORE)
 
-    @app.get("/monitor", include_in_schema=False)
+    @app.get("/monitor")
     async def ninfer_monitor():
         if "html" not in html_cache:
             html_cache["html"] = monitor_html()

@@ -22,12 +22,14 @@ from .fields import (
     get_str,
     new_id,
     object_items,
+    one_of,
     read_json,
     request_id,
     type_name,
 )
 from .generation import ChatInputs, ChatStream, Done, Out
 from .image_parts import VISION_MARKER, openai_image_part
+from .openapi_doc import CHAT_REQUEST, COMPLETION_REQUEST, error_responses, request_body
 from .schema_check import check_schema
 from .sse import DONE, SSEResponse, sse_data
 
@@ -53,12 +55,12 @@ def model_card(state) -> dict:
             "max_model_len": cfg.max_context}
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=error_responses(statuses=(401,)))
 async def list_models(request: Request):
     return {"object": "list", "data": [model_card(_state(request))]}
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.get("/v1/models/{model_id:path}", responses=error_responses(statuses=(401, 404)))
 async def get_model(model_id: str, request: Request):
     state = _state(request)
     if model_id != state.config.model_id:
@@ -96,7 +98,7 @@ def _text_content(content: Any, param: str, allow_none: bool = True, images: Opt
             if not isinstance(p, dict):
                 raise bad_request(f"{param}[{j}] must be an object", param=f"{param}[{j}]")
             ptype = p.get("type", "text")
-            if ptype in _TEXT_PARTS:
+            if one_of(ptype, _TEXT_PARTS):
                 if not isinstance(p.get("text"), str):
                     raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text")
                 parts.append(p["text"])
@@ -123,7 +125,7 @@ def parse_messages(raw: Any, images: Optional[list] = None) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_request(f"{p} must be an object", param=p)
         role = m.get("role")
-        if role not in _ROLES:
+        if not one_of(role, _ROLES):
             raise bad_request(f"{p}.role must be one of {sorted(_ROLES)}, got {role!r}", param=f"{p}.role")
         if role == "developer":
             role = "system"
@@ -335,7 +337,7 @@ def stream_error_chunk(message: str, code: str = "generation_error") -> dict:
 
 
 # ---- routes -------------------------------------------------------------------------------
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(CHAT_REQUEST), responses=error_responses())
 async def chat_completions(request: Request):
     state = _state(request)
     rid = request_id(request)
@@ -416,7 +418,7 @@ def completion_logprobs(entries: list[dict], offset0: int) -> dict:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(COMPLETION_REQUEST), responses=error_responses())
 async def completions(request: Request):
     state = _state(request)
     rid = request_id(request)

@@ -43,6 +43,8 @@ class ServeOptions:
     log_level: str = _f("info", "log verbosity", choices=LOG_LEVELS)
     allow_random_weights: bool = _f(False, "serve a random-weights benchmark artifact (`ninfer compile "
                                            "--random-weights`): its answers are noise; for benchmarks only")
+    allow_forced_acceptance: bool = _f(False, "accept --forced-acceptance (a benchmark profile: the output is not the "
+                                              "model's)")
 
 
 @dataclass

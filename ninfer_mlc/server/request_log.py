@@ -6,6 +6,7 @@ A line looks like (keys always present; unknown values are null/0):
    "stream": true, "finish_reason": "stop", "prompt_tokens": 195, "completion_tokens": 16,
    "cached_tokens": 128, "queue_ms": 1.03, "prompt_ms": 287.7, "predicted_ms": 83.4,
    "prompt_per_second": 677.7, "predicted_per_second": 179.7, "draft_n": 0, "draft_n_accepted": 0,
+   "draft_forced_acceptance": 0.0,
    "wall_ms": 402.1, "stop_matched": null, "error": null, "tool_call_parse": {...} | null}
 
 `RequestLogger.write(record)` appends an arbitrary dict (the same interface as the server's
@@ -100,6 +101,7 @@ class RequestLogger:
             "predicted_per_second": _num(t.get("predicted_per_second"), 0.0),
             "draft_n": int(_num(t.get("draft_n"))),
             "draft_n_accepted": int(_num(t.get("draft_n_accepted"))),
+            "draft_forced_acceptance": _num(t.get("draft_forced_acceptance"), 0.0),  # BENCHMARK profile; 0 = lossless
             "wall_ms": round(float(wall_ms), 3) if wall_ms is not None else None,
             "stop_matched": stop_matched,
             "error": error,

@@ -27,9 +27,10 @@ from starlette.responses import JSONResponse, Response
 
 from . import generation as gen
 from .errors import APIError, bad_request
-from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, read_json, request_id
+from .fields import get_bool, get_dict, get_int, get_list, get_str, new_id, one_of, read_json, request_id
 from .generation import ChatInputs, ChatStream, Done, Out
 from .openai_api import check_model
+from .openapi_doc import INPUT_ITEMS_QUERY, RESPONSES_REQUEST, error_responses, request_body
 from .response_store import ResponseStore
 from .responses_items import (ToolTable, constraint_spec, encrypt_reasoning, items_to_messages, new_item_id,
                               normalize_input, parse_tools)
@@ -77,11 +78,11 @@ def parse_reasoning(raw: Any) -> tuple[Optional[bool], bool, dict]:
     if not isinstance(raw, dict):
         raise bad_request("reasoning must be an object", param="reasoning")
     effort = raw.get("effort")
-    if effort is not None and effort not in _EFFORTS:
+    if effort is not None and not one_of(effort, _EFFORTS):
         raise bad_request(f"reasoning.effort must be one of {sorted(_EFFORTS)}, got {effort!r}",
                           param="reasoning.effort")
     summary = raw.get("summary", raw.get("generate_summary"))
-    if summary is not None and summary not in _SUMMARY:
+    if summary is not None and not one_of(summary, _SUMMARY):
         raise bad_request(f"reasoning.summary must be one of {sorted(_SUMMARY)}, got {summary!r}",
                           param="reasoning.summary")
     thinking = False if effort in _NO_THINKING_EFFORTS else None
@@ -321,7 +322,7 @@ def _stored(store: ResponseStore, req: ResponsesRequest, b: ResponseBuilder) -> 
 
 
 # ---- routes -------------------------------------------------------------------------------
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=request_body(RESPONSES_REQUEST), responses=error_responses())
 async def create_response(request: Request):
     state = _state(request)
     rid = request_id(request)
@@ -383,7 +384,8 @@ async def _response_sse(handle, builder: ResponseBuilder, events, store: Respons
         gen.release(handle)
 
 
-@router.post("/v1/responses/input_tokens")
+@router.post("/v1/responses/input_tokens", openapi_extra=request_body(RESPONSES_REQUEST),
+             responses=error_responses(statuses=(400, 401, 404, 413, 429)))
 async def input_tokens(request: Request):
     state = _state(request)
     body = await read_json(request, state.config.max_request_bytes)
@@ -396,7 +398,7 @@ def _not_found(rid: str) -> APIError:
     return APIError(404, f"No response found with id '{rid}'.", param="response_id", code="not_found")
 
 
-@router.get("/v1/responses/{rid}")
+@router.get("/v1/responses/{rid}", responses=error_responses(statuses=(401, 404)))
 async def get_response(rid: str, request: Request):
     entry = response_store(_state(request)).get(rid)
     if entry is None:
@@ -404,14 +406,15 @@ async def get_response(rid: str, request: Request):
     return JSONResponse(entry.response)
 
 
-@router.delete("/v1/responses/{rid}")
+@router.delete("/v1/responses/{rid}", responses=error_responses(statuses=(401, 404)))
 async def delete_response(rid: str, request: Request):
     if not response_store(_state(request)).delete(rid):
         raise _not_found(rid)
     return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
 
-@router.get("/v1/responses/{rid}/input_items")
+@router.get("/v1/responses/{rid}/input_items", openapi_extra=INPUT_ITEMS_QUERY,
+            responses=error_responses(statuses=(400, 401, 404)))
 async def list_input_items(rid: str, request: Request):
     entry = response_store(_state(request)).get(rid)
     if entry is None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .errors import bad_request
-from .fields import object_items, type_name
+from .fields import object_items, one_of, type_name
 
 log = logging.getLogger("ninfer.server")
 
@@ -212,12 +212,12 @@ def _text(content: Any, p: str) -> str:
             parts.append(c)
             continue
         kind = c.get("type") if isinstance(c, dict) else None
-        if kind in _TEXT_PARTS:
+        if one_of(kind, _TEXT_PARTS):
             t = c.get("text", c.get("refusal"))
             if not isinstance(t, str):
                 raise bad_request(f"{p}[{j}].text must be a string", param=f"{p}[{j}].text")
             parts.append(t)
-        elif kind in _MEDIA_PARTS:
+        elif one_of(kind, _MEDIA_PARTS):
             raise bad_request(f"{p}[{j}]: content type {kind!r} is not supported (text-only model)",
                               param=f"{p}[{j}].type")
         else:

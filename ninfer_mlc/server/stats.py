@@ -167,7 +167,8 @@ def _queue(es: EngineStats, http_state: Any) -> dict:
 
 def _spec(sp: SpecCounters) -> dict:
     out = {"backend": sp.backend, "draft_n": sp.draft_tokens, "draft_n_accepted": sp.accepted_tokens,
-           "acceptance_rate": sp.acceptance_rate}
+           "acceptance_rate": sp.acceptance_rate,
+           "forced_acceptance": float(sp.forced_acceptance or 0.0)}  # BENCHMARK forced tokens/round; 0 = lossless
     extra = asdict(sp)
     extra["tokens_per_round"] = sp.tokens_per_round
     for k in SPEC_EXTRA_KEYS:

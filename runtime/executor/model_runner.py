@@ -11,20 +11,16 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from ...contract import safetensors_io
 from ...contract.manifest import Manifest, read_manifest
 from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
+from .device_rows import DeviceRows
 from .inputs import SeqLike, StepInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
-
-
-def np_dtype(dt: str) -> np.dtype:
-    return np.dtype(ml_dtypes.bfloat16) if dt == "bfloat16" else np.dtype(dt)
+from .weights import load_params, np_dtype
 
 
 class ModelRunner:
@@ -54,6 +50,12 @@ class ModelRunner:
         has = self.vm.module.implements_function
         self.has_verify = bool(has("verify") and has("prefill_h"))
         self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
+        # DFlash drafters: the tap layers prefill_t / verify_t return (compile --tap-layers)
+        self.tap_layers = [int(i) for i in m.extras.get("tap_layers") or []]
+        self.has_taps = bool(self.tap_layers) and bool(has("prefill_t") and has("verify_t"))
+        # [dflash hook] pools of other per-token KV on the main page ids (a DFlash drafter's paged layers):
+        # name -> (tensor [num_pages, *page_shape], page_shape, dtype); copied and moved with the main pages
+        self.page_pools: dict = {}
         self.page_bytes = self.layout.page_bytes
         self.conv_slot_bytes = self.layout.conv_slot_bytes
         self.ssm_slot_bytes = self.layout.ssm_slot_bytes
@@ -61,6 +63,7 @@ class ModelRunner:
         self.inputs: Optional[StepInputs] = None
         self.decode_graphs: Optional[GraphedFunction] = None
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
+        self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
@@ -70,41 +73,56 @@ class ModelRunner:
     def _load_params(self) -> list:
         """Weights from the shards; a random-weights benchmark artifact has only its exact tables there
         and the rest is drawn on the device (executor/random_weights.py)."""
-        m = self.manifest
-        arrays: dict[str, np.ndarray] = {}
-        for rel in m.weight_shards:
-            arrays.update(safetensors_io.load(self.art_dir / rel))
-        drawn: dict = {}
-        self.random_weights = bool(m.extras.get("random_weights"))
-        if self.random_weights:
-            from .random_weights import generate
-
-            drawn = generate(m.params, set(arrays), int(m.extras["random_weights"].get("seed", 0)), self.dev, self.tvm)
-        out = []
-        self.weights_bytes = 0
-        for name, shape, dtype in m.params:
-            a = arrays.get(name)
-            if a is None and name in drawn:
-                t = drawn[name]
-                self.weights_bytes += int(np.prod(shape)) * np_dtype(dtype).itemsize
-                out.append(t)
-                continue
-            if a is None:
-                raise RuntimeError(f"{self.art_dir}: weight {name} missing from the shards")
-            if list(a.shape) != list(shape):
-                raise RuntimeError(f"{self.art_dir}: weight {name} has shape {a.shape}, library expects {shape}")
-            self.weights_bytes += a.nbytes
-            out.append(self.tvm.runtime.tensor(np.ascontiguousarray(a), self.dev))
+        out, self.weights_bytes, self.random_weights = load_params(self.manifest, self.art_dir, self.dev, self.tvm)
         return out
 
-    def auto_kv_tokens(self, num_slots: int) -> int:
-        """Tokens of KV that fit in the device memory left after weights, state slots and 1 GiB
-        (the artifact's max_context on the CPU, where memory is not the pool's limit)."""
+    def param(self, name: str):
+        """The device tensor of one parameter (a DFlash drafter borrows the embedding and lm_head)."""
+        for (n, _, _), t in zip(self.manifest.params, self.params):
+            if n == name:
+                return t
+        raise KeyError(f"{self.art_dir.name} has no parameter {name}")
+
+    def attach_page_pool(self, name: str, page_shape: tuple, dtype: str):
+        """[dflash hook] A pool of per-token KV on the main page ids ([num_pages, *page_shape]): page
+        copies (copy-on-write, checkpoints) and the host tier move it with the main page. Attach before
+        the host tier is made; returns the tensor."""
+        if name not in self.page_pools:
+            pool = self.tvm.runtime.empty((self.num_pages,) + tuple(page_shape), dtype, self.dev)
+            self.page_pools[name] = (pool, tuple(page_shape), dtype)
+            zero = np.zeros(page_shape, np_dtype(dtype))  # a position never written must read finite values
+            for p in range(self.num_pages):
+                self.pool_page_view(name, p).copyfrom(zero)
+        return self.page_pools[name][0]
+
+    def pool_page_view(self, name: str, page: int):
+        pool, shape, dtype = self.page_pools[name]
+        return self._view(pool, shape, page, np_dtype(dtype).itemsize)
+
+    def step_workspace_bytes(self, rows: int) -> int:
+        """An upper estimate of what one forward pass of `rows` tokens allocates beside the pools: activations
+        (32 bytes per token for each element of the widest row: the fused gate_up / expert projections), and,
+        where NVFP4 weights are dequantized per call (no FP4 tensor cores), bf16 copies of the two largest."""
+        c = self.cfg
+        width = max(int(c.get("hidden_size") or 0), 2 * int(c.get("intermediate_size") or 0),
+                    2 * int(c.get("moe_intermediate_size") or 0) * int(c.get("num_experts_per_tok") or 1))
+        total = rows * 32 * width
+        extras = self.manifest.extras
+        if extras.get("weight_quant") == "nvfp4" and not extras.get("fp4_mma"):
+            packed = sorted((int(np.prod(shape)) for _, shape, dtype in self.manifest.params if str(dtype) == "uint8"),
+                            reverse=True)[:2]
+            total += sum(4 * n for n in packed)  # two fp4 codes per byte -> 2 bf16 bytes each
+        return total
+
+    def auto_kv_tokens(self, num_slots: int, extra_page_bytes: int = 0, step_rows: int = 2048) -> int:
+        """Tokens of KV that fit in the device memory left after weights, state slots, 1 GiB and the workspace of
+        a step of step_rows tokens (the artifact's max_context on the CPU, where memory is not the pool's limit).
+        extra_page_bytes: pools that will be attached on the same page ids (a DFlash drafter's paged layers)."""
         free = int(getattr(self.dev, "available_global_memory", 0) or 0) if self.device_kind == "cuda" else 0
         if free <= 0:
             return self.manifest.max_context
-        per_token = self.layout.page_bytes / self.page_size
-        left = free - self.AUTO_HEADROOM - num_slots * self.layout.state_slot_bytes
+        per_token = (self.layout.page_bytes + extra_page_bytes) / self.page_size
+        left = free - self.AUTO_HEADROOM - self.step_workspace_bytes(step_rows) - num_slots * self.layout.state_slot_bytes
         return max(self.manifest.max_context, int(left // per_token))
 
     def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None) -> None:
@@ -126,6 +144,8 @@ class ModelRunner:
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
             if self.has_verify:
                 self.verify_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify"])
+            if self.has_taps:
+                self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
             if self.has_mtp:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
         self._graph_generation = self.inputs.generation
@@ -205,6 +225,8 @@ class ModelRunner:
         self.page_view(src).copyto(self.page_view(dst))
         if self.mtp_kv_pool is not None:  # the MTP head's KV lives on the same page ids
             self.mtp_page_view(src).copyto(self.mtp_page_view(dst))
+        for name in self.page_pools:  # [dflash hook]
+            self.pool_page_view(name, src).copyto(self.pool_page_view(name, dst))
 
     # ---- forward -------------------------------------------------------------------------
     def _pools(self) -> list:
@@ -274,42 +296,58 @@ class ModelRunner:
     # ---- speculative decoding: prefill_h / verify / the MTP head ---------------------------
     # Hidden states are the final post-norm ones, fp32 on the host. The MTP head keeps its own
     # one-layer KV pool on the main model's page ids (same page tables, same allocator).
-    def prefill_h(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def prefill_h(self, batch, taps: bool = False) -> tuple[list[np.ndarray], list]:
         """prefill that also returns every row's final hidden state: ([V] last-token logits, [len, D]
-        hidden) per sequence."""
+        hidden) per sequence. taps: the tap layers' outputs instead ([len, T*D] DeviceRows that stay on
+        the device: prefill_t)."""
         lens = np.array([len(t) for _, t in batch], np.int64)
         rows = (np.cumsum(lens) - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
-        out = self.vm["prefill_h"](*args, rows_view, *self._pools())
-        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
-        return list(logits), [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))]
+        out = self.vm[self._hidden_fn("prefill_h", taps)](*args, rows_view, *self._pools())
+        return list(self._cut(out[0].numpy())), self._split_rows(out[1], cu, taps)
 
     def _ragged_graphs(self) -> None:
         """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
         if self.inputs.generation != self._graph_generation:
-            for g in (self.verify_graphs, self.mtp_graphs):
+            for g in (self.verify_graphs, self.verify_t_graphs, self.mtp_graphs):
                 if g is not None:
                     g.reset()
             self._graph_generation = self.inputs.generation
 
-    def verify(self, batch) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    def verify(self, batch, taps: bool = False) -> tuple[list[np.ndarray], list]:
         """One batched multi-token target forward: ([len, V] logits, [len, D] hidden) per sequence.
         KV is written and the GDN state advanced like a prefill; the caller rolls back rejections.
-        On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats."""
+        On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats.
+        taps: the tap layers' outputs instead of the final hidden (DeviceRows: verify_t). Replayed, they
+        are the graph's output buffer, which the next replay of that shape overwrites: consume them first."""
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
         self._check_tokens(chunks)
-        graphs = self.verify_graphs
+        name = self._hidden_fn("verify", taps)
+        graphs = self.verify_t_graphs if taps else self.verify_graphs
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
         if graphs is not None:
             self._ragged_graphs()
             out = graphs(args, self._pools())
         else:
-            out = self.vm["verify"](*args, *self._pools())
-        logits, hidden = self._cut(out[0].numpy()), out[1].numpy()
-        return ([logits[cu[i]:cu[i + 1]] for i in range(len(batch))],
-                [hidden[cu[i]:cu[i + 1]] for i in range(len(batch))])
+            out = self.vm[name](*args, *self._pools())
+        logits = self._cut(out[0].numpy())
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self._split_rows(out[1], cu, taps)
+
+    def _hidden_fn(self, name: str, taps: bool) -> str:
+        if not taps:
+            return name
+        if not self.has_taps:
+            raise RuntimeError(f"{self.art_dir.name} has no tap-layer functions (recompile it with "
+                               "`ninfer compile --tap-layers DRAFTER_DIR`)")
+        return {"prefill_h": "prefill_t", "verify": "verify_t"}[name]
+
+    @staticmethod
+    def _split_rows(hidden, cu, taps: bool) -> list:
+        """Per-sequence rows of a [n, W] output: host arrays, or device row views for taps."""
+        rows = DeviceRows(hidden) if taps else hidden.numpy()
+        return [rows[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
 
     def _check_mtp(self, seqs, tops) -> None:
         if not self.has_mtp:

@@ -11,12 +11,19 @@ is the main page followed by the head's page: chunk shape (n, attn_layers + 1, 2
 row), so a spilled prefix comes back with the head's KV too (drafts after a host restore see the
 same KV as after a device restore). The arena's page_bytes (and --host-kv-mib) count both; the
 kv_* transfer counters count the main pages, mtp_kv_{d2h,h2d}_bytes the head's.
+
+Pools attached to the runner's page ids (runner.page_pools: a DFlash drafter's paged layers, any shape
+and dtype) travel the same way: their page follows the main (and MTP) page in the host page, viewed
+with its own shape and dtype; draft_kv_{d2h,h2d}_bytes count them.
 """
 from __future__ import annotations
 
 import time
 from typing import Optional
 
+import numpy as np
+
+from ..executor.weights import np_dtype
 from .host_arena import Allocation, HostArena
 
 
@@ -32,6 +39,15 @@ class HostTier:
         self.host_page_bytes = runner.page_bytes + self.mtp_page_bytes
         self._chunk_tail = ((self.page_shape[0] + self.mtp_page_shape[0],) + self.page_shape[1:]) if self.mtp \
             else self.page_shape
+        # [dflash hook] attached pools: (name, page shape, dtype, bytes), stored after the main (+ MTP) page
+        self.extra = [(n, shape, dt, int(np.prod(shape)) * np_dtype(dt).itemsize)
+                      for n, (_, shape, dt) in getattr(runner, "page_pools", {}).items()]
+        self.extra_page_bytes = sum(b for *_, b in self.extra)
+        if self.extra:  # host pages of mixed dtypes: a byte buffer, viewed per part
+            main_bytes = self.host_page_bytes
+            self.host_page_bytes += self.extra_page_bytes
+            self._chunk_tail = (self.host_page_bytes,)
+            self._main_bytes = main_bytes
         self.state_bytes = runner.conv_slot_bytes + runner.ssm_slot_bytes
         tvm = runner.tvm
         self.host_dev = tvm.runtime.device(3, 0) if runner.device_kind == "cuda" else tvm.cpu()  # 3 = cuda_host
@@ -48,21 +64,28 @@ class HostTier:
         self.stats = {k: 0 for k in (
             "kv_d2h_pages", "kv_d2h_bytes", "kv_h2d_pages", "kv_h2d_bytes", "kv_d2d_pages", "kv_d2d_bytes",
             "state_d2h_count", "state_d2h_bytes", "state_h2d_count", "state_h2d_bytes", "state_d2d_count",
-            "state_d2d_bytes", "mtp_kv_d2h_bytes", "mtp_kv_h2d_bytes")}
+            "state_d2d_bytes", "mtp_kv_d2h_bytes", "mtp_kv_h2d_bytes", "draft_kv_d2h_bytes", "draft_kv_h2d_bytes")}
         self.stats.update(kv_d2h_seconds=0.0, kv_h2d_seconds=0.0, state_d2h_seconds=0.0, state_h2d_seconds=0.0,
                           kv_d2d_seconds=0.0, state_d2d_seconds=0.0)
 
     def _on_grow(self, chunk) -> bool:
-        self._chunks[chunk.index] = self._empty((chunk.n_pages,) + self._chunk_tail, self.runner.kv_pool.dtype,
-                                                self.host_dev)
+        dtype = "uint8" if self.extra else self.runner.kv_pool.dtype
+        self._chunks[chunk.index] = self._empty((chunk.n_pages,) + self._chunk_tail, dtype, self.host_dev)
         return True
 
     def _host_page(self, buf, i: int):
-        """(main page view, MTP page view or None) of host page i of a chunk."""
+        """(main page view, MTP page view or None, attached pools' page views...) of host page i of a chunk."""
         off = i * self.host_page_bytes
-        main = buf._create_view(self.page_shape, buf.dtype, off)
-        return main, (buf._create_view(self.mtp_page_shape, buf.dtype, off + self.runner.page_bytes)
-                      if self.mtp else None)
+        kv_dt = self.runner.kv_pool.dtype if self.extra else buf.dtype
+        main = buf._create_view(self.page_shape, kv_dt, off)
+        out = (main, (buf._create_view(self.mtp_page_shape, kv_dt, off + self.runner.page_bytes)
+                      if self.mtp else None))
+        if self.extra:
+            off += self._main_bytes
+            for _, shape, dt, nbytes in self.extra:
+                out += (buf._create_view(shape, dt, off),)
+                off += nbytes
+        return out
 
     def _host_pages(self, alloc: Allocation):
         """Host page views of an allocation, in logical page order."""
@@ -72,7 +95,8 @@ class HostTier:
                 yield self._host_page(self._chunks[ci], pi)
 
     def _device_page(self, p: int):
-        return self.runner.page_view(p), (self.runner.mtp_page_view(p) if self.mtp else None)
+        return (self.runner.page_view(p), self.runner.mtp_page_view(p) if self.mtp else None,
+                *(self.runner.pool_page_view(n, p) for n, *_ in self.extra))
 
     # ---- KV pages ----------------------------------------------------------------------
     def store_pages(self, pages: list[int]) -> Optional[Allocation]:
@@ -91,6 +115,7 @@ class HostTier:
         self.stats["kv_d2h_pages"] += len(pages)
         self.stats["kv_d2h_bytes"] += len(pages) * self.runner.page_bytes
         self.stats["mtp_kv_d2h_bytes"] += len(pages) * self.mtp_page_bytes
+        self.stats["draft_kv_d2h_bytes"] += len(pages) * self.extra_page_bytes
         self.stats["kv_d2h_seconds"] += time.perf_counter() - t0
         return alloc
 
@@ -106,6 +131,7 @@ class HostTier:
         self.stats["kv_h2d_pages"] += len(dst_pages)
         self.stats["kv_h2d_bytes"] += len(dst_pages) * self.runner.page_bytes
         self.stats["mtp_kv_h2d_bytes"] += len(dst_pages) * self.mtp_page_bytes
+        self.stats["draft_kv_h2d_bytes"] += len(dst_pages) * self.extra_page_bytes
         self.stats["kv_h2d_seconds"] += time.perf_counter() - t0
 
     def free_pages(self, alloc: Optional[Allocation]) -> None:

@@ -364,6 +364,9 @@ class Scheduler:
             "queue_ms": round(((r.t_admit or end) - r.t_submit) * 1000, 3),
             "draft_n": r.draft_n, "draft_n_accepted": r.draft_accepted,
         }
+        forced = getattr(getattr(self.spec, "forced", None), "tokens_per_round", None)
+        if forced is not None:  # a benchmark profile, not the model's output: say so wherever timings go
+            timings["draft_forced_acceptance"] = forced
         c = self.counters
         if reason == "cancelled":
             c.requests_cancelled += 1

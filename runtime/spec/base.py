@@ -18,6 +18,11 @@ Choose = Callable[[Request, np.ndarray, int], int]
 class Proposer(Protocol):
     name: str
     wants_prefill_hidden: bool  # the target's prefill must return hidden states (MTP)
+    # optional `target_hidden`: "final" (default: the final post-norm hidden, host arrays) or "taps" (the
+    # tap layers' outputs as device rows: DFlash drafters); the decoder asks prefill / verify for it.
+    # optional `before_round()`: called at the start of every round, before propose and the verify, whose
+    # output buffers a CUDA-graph replay overwrites: a proposer holding device rows of the previous verify
+    # consumes them there
 
     def after_prefill(self, items: list[tuple[Request, SpecState, int, np.ndarray]]) -> None:
         """items: (request, state, first position, hidden rows [n, D]) of a target prefill."""

@@ -28,6 +28,7 @@ from ..stats import SpecCounters
 from .acceptance import accept, choose_draft
 from .base import Proposer
 from .draft import DraftModelProposer
+from .forced import ForcedAcceptance
 from .mtp import MTPProposer, load_shortlist
 from .state import RoundRecord, SpecState
 
@@ -42,15 +43,27 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
     if cfg.spec == "draft":
         return DraftModelProposer(runner, kv.pages.num_pages, cfg.draft_model, slots=2 * cfg.max_concurrency + 1,
                                   chunk=cfg.prefill_chunk, max_batch=cfg.max_concurrency)
+    if cfg.spec in ("dflash", "dflash2"):
+        from .dflash import DFlashProposer
+
+        return DFlashProposer(runner, kv, cfg.draft_model, cfg.spec, lanes=cfg.max_concurrency,
+                              max_batch=cfg.max_concurrency)
     raise ValueError(f"unknown speculative method {cfg.spec!r}")
 
 
 class SpeculativeDecoder:
     def __init__(self, runner: ModelRunner, kv: KVManager, proposer: Proposer, draft_tokens: int,
-                 sampler: Sampler, counters: SpecCounters):
+                 sampler: Sampler, counters: SpecCounters, forced_acceptance: Optional[float] = None):
+        """forced_acceptance: BENCHMARK ONLY, tokens per round to force (spec/forced.py); None = lossless."""
         self.runner, self.kv, self.proposer, self.k = runner, kv, proposer, draft_tokens
         self.sampler, self.counters = sampler, counters
         counters.backend, counters.draft_tokens_max = proposer.name, draft_tokens
+        self.forced = ForcedAcceptance(forced_acceptance, draft_tokens) if forced_acceptance is not None else None
+        counters.forced_acceptance = forced_acceptance
+        # what the target's prefill / verify return besides logits for the proposer: the final hidden
+        # state (MTP) or, for DFlash drafters, the tap layers' outputs
+        self.hidden_kw = {"taps": True} if getattr(proposer, "target_hidden", "final") == "taps" else {}
+        self.before_round = getattr(proposer, "before_round", None)
         self.states: dict[int, SpecState] = {}
 
     def state(self, req: Request) -> SpecState:
@@ -112,7 +125,7 @@ class SpeculativeDecoder:
         if not self.proposer.wants_prefill_hidden:
             return self.runner.prefill([(req.seq, t) for req, t in batch])
         starts = [req.seq.length for req, _ in batch]
-        logits, hidden = self.runner.prefill_h([(req.seq, t) for req, t in batch])
+        logits, hidden = self.runner.prefill_h([(req.seq, t) for req, t in batch], **self.hidden_kw)
         self.proposer.after_prefill([(req, self.state(req), s, h) for (req, _), s, h in zip(batch, starts, hidden)])
         return logits
 
@@ -124,6 +137,8 @@ class SpeculativeDecoder:
 
     def round(self, work: list[DecodeWork]) -> dict[int, RowResult]:
         c = self.counters
+        if self.before_round is not None:
+            self.before_round()
         for w in work:
             st = self.state(w.req)
             st.qs = []
@@ -141,7 +156,8 @@ class SpeculativeDecoder:
             for (req, st, _), d in zip(drafting, self.proposer.propose(drafting, self._choose)):
                 st.round.drafts = d
                 req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
-        logits, hidden = self.runner.verify([(w.req.seq, w.feed + self.state(w.req).round.drafts) for w in work])
+        logits, hidden = self.runner.verify([(w.req.seq, w.feed + self.state(w.req).round.drafts) for w in work],
+                                            **self.hidden_kw)
         results = {}
         for w, lg, hd in zip(work, logits, hidden):
             req, st = w.req, self.state(w.req)
@@ -150,7 +166,11 @@ class SpeculativeDecoder:
             lg, rd.hidden = lg[n_re:], hd[n_re:]  # rows of the pending token and the drafts
             if req.grammar is not None:  # no drafts: the one token it samples follows the grammar
                 lg = mask_logits([req.grammar], lg)
-            rd.out, n_acc = accept(req.row, lg, rd.drafts, st.qs, self.sampler)
+            if self.forced is not None and rd.drafts:  # benchmark profile: not the model's output
+                n_acc = self.forced.count(st, len(rd.drafts))
+                rd.out = self.forced.accept(req.row, lg, rd.drafts, n_acc, self.sampler)
+            else:
+                rd.out, n_acc = accept(req.row, lg, rd.drafts, st.qs, self.sampler)
             p = req.params
             want_lp = p.logprobs or p.top_logprobs > 0
             lps = [log_softmax_top(lg[i], t, int(p.top_logprobs)) if want_lp else None for i, t in enumerate(rd.out)]

@@ -29,5 +29,7 @@ class SpecState:
     mtp_hidden: Optional[np.ndarray] = None  # [m, D] main hidden rows not yet run through the MTP head
     draft_seq: Any = None  # draft-model path: the drafter's sequence (its own KV manager)
     draft_snap: Optional[tuple[int, int]] = None
+    dflash: Any = None  # DFlash proposer: the request's drafter context (spec/dflash.py DFlashSeq)
+    forced_carry: float = 0.0  # forced acceptance (benchmarks): accepted drafts owed to the profile
     qs: list = field(default_factory=list)  # draft distributions of the open round (rejection test)
     round: Optional[RoundRecord] = None

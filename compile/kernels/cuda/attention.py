@@ -69,8 +69,9 @@ Three launches inside the one prim_func (stream order is the barrier between the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
 The split partials live in a workspace allocated inside the function (TVMBackendAllocWorkspace);
-their maxima are in base-2 units. bench/attn_gpu_check.py checks the kernels against a float64
-reference on the GPU and in a CPU emulation of the generated CUDA (warp shuffles and mma included).
+their maxima are in base-2 units. The kernels are checked against a float64 reference on the GPU
+(bench/attn_gpu_check.py) and in a CPU emulation of the generated CUDA (warp shuffles and mma included;
+compile/kernels/cuda/emulate, tests/test_cuda_build.py).
 
 Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and bit-identical page
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
@@ -85,6 +86,7 @@ amax by comparing integer bit patterns (subnormals and NaN handled like the llvm
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -105,7 +107,7 @@ def _u32(v):
 
 
 def _dev_src(body: str, guard: bool = False) -> str:
-    # the markers let bench/attn_gpu_check.py swap these for its CPU emulation. guard: an include guard
+    # the markers let the CPU emulator (compile/kernels/cuda/emulate) swap these for its own versions. guard: an include guard
     # (named after the first function) so that several kernels' sources (prefill_source) may carry it
     if guard:
         name = re.search(r"(ninfer_attn_\w+)\(", body).group(1).upper()
@@ -258,7 +260,7 @@ def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: st
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
                 qb: int | None = None, dtype: str | None = None, mma: bool | None = None) -> dict:
-    """Static launch/layout choices of the attend launch (also used by bench/attn_gpu_check.py).
+    """Static launch/layout choices of the attend launch (also reported by bench/attn_gpu_check.py).
     mode: "mma" (tensor cores), else the SIMT row format ("vec" 16-bit/f32 pages, "fp8v", "nvfp4v",
     "scalar"); qb: positions per batch."""
     group = n_heads // n_kv
@@ -468,7 +470,7 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
         ninfer_attn_cp_wait0();
       }"""
     return f"""
-// NINFER_ATTN_SRC_BEGIN (kept by bench/attn_gpu_check.py's CPU emulation)
+// NINFER_ATTN_SRC_BEGIN (kept by the CPU emulator, compile/kernels/cuda/emulate)
 __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
     const int* __restrict__ pos, const int* __restrict__ tseq, const int* __restrict__ pt, void* __restrict__ outv,
     int n, int p, int layer, unsigned char* smem) {{
@@ -630,6 +632,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
 """
 
 
+@lru_cache(maxsize=None)
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
@@ -717,8 +720,8 @@ def paged_attention(
     PF_MIN = max(1, int(prefill_min))
     PF_SMEM = prefill_smem_bytes(D)
     PF_NAME = "ninfer_attn_prefill_" + "_".join(str(x) for x in (n_heads, n_kv, D, PS, n_layers)) + (
-        "_bf16" if dtype == "bfloat16" else "_f16") + ("_" + kv_dt if quant else "") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
-        "-", "m").replace("+", "")
+        "_bf16" if dtype == "bfloat16" else "_f16") + ("_" + kv_dt if quant else "") + "_s" + format(
+        float(sm_scale), ".9e").replace(".", "p").replace("-", "m").replace("+", "")
     PF_SRC = (_PF_HELPERS.get(dtype, "") + LDSM_SRC[False][1]
               + LDSM_SRC[True][1] + CP_SRC
               + (NVFP4_F16X8_SRC + E4M3_F16X2_SRC + E4M3X2_F16X2_SRC + H2F_SRC if quant and PF else "")

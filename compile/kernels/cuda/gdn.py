@@ -56,6 +56,8 @@ Tensor-core variant (`mma`, default wherever it applies: chunk 32, dk % 64 == 0,
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 CHUNK = 32
@@ -66,6 +68,7 @@ MMA_THREADS = (256, 128)  # threads of the two launches of the tensor-core varia
 MMA_TILE = 32  # value columns per block of the tensor-core sequential pass
 
 
+@lru_cache(maxsize=None)
 def causal_conv(conv_dim: int, kernel: int, n_layers: int, dtype: str, *, threads: int = 256):
     taps = kernel - 1
     CT = min(threads, ((conv_dim + 31) // 32) * 32)
@@ -158,6 +161,7 @@ def conv_tails(conv_dim: int, kernel: int, dtype: str, threads: int = 256):
     return store_tails
 
 
+@lru_cache(maxsize=None)
 def recurrent_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
     r = hv // hk
     NT = dv
@@ -284,6 +288,7 @@ def _mma_src(split: bool):
     return name, "\n" + "\n".join(body) + "\n"
 
 
+@lru_cache(maxsize=None)
 def chunked_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int, chunk: int = CHUNK,
                        *, dv_tile: int | None = None, state_tile: int = STATE_TILE, ept: int = STATE_EPT,
                        mma: bool | None = None, mma_tile: int = MMA_TILE, tf32x3: bool = True, passes: int = 3):

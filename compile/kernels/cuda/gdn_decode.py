@@ -21,9 +21,12 @@ before the gate), so the two differ only by fp32 summation order.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 
+@lru_cache(maxsize=None)
 def fused_gdn_decode(hk: int, hv: int, dk: int, dv: int, n_layers: int, dtype: str, eps: float):
     r = hv // hk
     NT = dv

@@ -19,6 +19,8 @@ the relax path (the factories return None).
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 from .gdn import conv_taps, conv_tails
@@ -30,6 +32,7 @@ def supported(dk: int, dv: int) -> bool:
     return dk == dv and dk % 32 == 0
 
 
+@lru_cache(maxsize=None)
 def gdn_prep(hk: int, hv: int, dk: int, dv: int, kernel: int, n_layers: int, dtype: str):
     if not supported(dk, dv):
         return None
@@ -93,6 +96,7 @@ def gdn_prep(hk: int, hv: int, dk: int, dv: int, kernel: int, n_layers: int, dty
     return prep.with_attr("global_symbol", f"gdn_prep_{hk}x{hv}x{dk}_{dtype}")
 
 
+@lru_cache(maxsize=None)
 def gdn_gated_norm(hk: int, hv: int, dk: int, dv: int, dtype: str, eps: float):
     if not supported(dk, dv):
         return None

@@ -114,7 +114,7 @@ def kernel_source(name: str, K: int, O: int, dtype: str, out_dtype: str, epilogu
           {ot} v[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {{
-            float g = {cast_in(f"acc[4 * i + 2 * h + e]")};
+            float g = {cast_in("acc[4 * i + 2 * h + e]")};
             float u = {cast_in(f"acc[4 * (i + {acc // 8}) + 2 * h + e]")};
             v[e] = {to_out}(g / (1.0f + __expf(-g)) * u);
           }}

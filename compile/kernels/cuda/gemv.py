@@ -289,7 +289,6 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
     """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch)."""
     silu = epilogue == "silu_mul"
-    has_res = epilogue == "residual"
     U = unroll
     OO = O // 2 if silu else O
     TILES = (OO + 7) // 8 if silu else (O + 15) // 16
@@ -506,7 +505,7 @@ __device__ __forceinline__ unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
 # 32 E2M1 codes of one weight row (16 bytes, element 8m+t in nibble t of word m) and their two E4M3 block
 # scales (sc: byte 0 for words 0-1, byte 1 for words 2-3) -> 16 bf16x2 words d[4m+i] =
 # (element 8m+i, element 8m+i+4) * scale * 2^-7, exact (no rounding: <= 5 significant bits, normal range).
-# Plain C apart from ninfer_bf16x2_mul (bench/gemv_gpu_check.py runs this text on the CPU emulator).
+# Plain C apart from ninfer_bf16x2_mul (the CPU emulator, compile/kernels/cuda/emulate, runs this text).
 _NVFP4_DQ_BODY = r"""
 __device__ __forceinline__ void ninfer_nvfp4_dq32(unsigned* d, unsigned w0, unsigned w1, unsigned w2, unsigned w3,
                                                   unsigned sc) {

@@ -35,7 +35,7 @@ byte_perm, row scale * 2^7 in the epilogue). Other dtypes / shapes (f32 models, 
 thread per (row, column) of a pass.
 
 The device code is CUDA text inside `// NINFER_ATTN_SRC_BEGIN/END` (the inline-asm helpers inside
-`// NINFER_ATTN_DEV_BEGIN/END`, include-guarded), so bench/attn_gpu_check.py's CPU emulator runs it
+`// NINFER_ATTN_DEV_BEGIN/END`, include-guarded), so the CPU emulator (compile/kernels/cuda/emulate) runs it
 (tests/test_cuda_moe.py). Parameters: schedules/cuda_<arch>.json "kernels.moe" (registry.DEFAULT_KERNELS).
 """
 from __future__ import annotations
@@ -54,8 +54,8 @@ COMBINE_THREADS = 256
 
 
 def _dev(name: str, body: str) -> str:
-    """An inline-asm helper: emulated by bench/attn_gpu_check.py's prelude, include-guarded here (several
-    kernels of one module carry it)."""
+    """An inline-asm helper: emulated by the CPU emulator's prelude (emulate/prelude.py MOE), include-guarded
+    here (several kernels of one module carry it)."""
     g = name.upper() + "_DEFINED"
     return f"\n// NINFER_ATTN_DEV_BEGIN\n#ifndef {g}\n#define {g}\n{body.strip()}\n#endif\n// NINFER_ATTN_DEV_END\n"
 

@@ -10,9 +10,12 @@ warp shuffles and one shared-memory step across the warps.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from tvm.script import tirx as T
 
 
+@lru_cache(maxsize=None)
 def rms_norm(dim: int, dtype: str, eps: float, *, threads: int = 256):
     NT = min(threads, max(32, (dim + 31) // 32 * 32))
     NW = NT // 32

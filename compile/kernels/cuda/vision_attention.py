@@ -3,7 +3,8 @@
   vit_attention(q[n, H, D], k[n, H, D], v[n, H, D], cu[s+1] i32, seg[n] i32) -> out[n, H, D]
 
 One block per (head, QT consecutive patches), one thread per patch: its fp32 accumulator in
-registers, its (scaled) query in a padded shared-memory row (registers for both spill at D = 72). The block walks the keys of every image its patches belong to in tiles
+registers, its (scaled) query in a padded shared-memory row (registers for both spill at D = 72). The block walks
+the keys of every image its patches belong to in tiles
 of KT rows staged in shared memory (fp32; every thread reads the same key row: a broadcast), with
 an online softmax; a thread skips the keys outside its own image. No n x n scores are formed.
 """

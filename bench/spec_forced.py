@@ -1,0 +1,190 @@
+"""Speculative rounds at FORCED acceptance profiles, through the engine (bench/spec_gpu_bench.py part (c)).
+
+Random weights give no real acceptance, so the decoder's benchmark-only forced acceptance
+(runtime/spec/forced.py) keeps a set number of drafts per round whatever the target says; every result
+row names its profile. What is measured is the engine's real round: proposer, one batched verify,
+acceptance, rollback and re-feed of what a round did not keep, host syncs.
+
+  prep   OUT/q27b-taps/      the Qwen3.x-27B geometry (gpu_bench.Q27B) WITH its MTP head and the tap layers
+                             5/19/33/47/61, `ninfer compile --random-weights` (weights drawn on the GPU at load)
+         OUT/dflash2-27b/    a DFlash2 drafter of the Qwen3.8-27B-DFlash2 shape (QWEN38_DFLASH2: block 8, those
+                             taps, 5 layers), random weights too
+  run    one target runner shared by engines for: no speculation; MTP k=3 forced to 3.18 and 3.4 tokens per
+         round (the incumbent's code / reasoning profiles); DFlash2 k=7 forced to 5.4 (its published
+         acceptance length); each at every batch, prompts of --ctx tokens, --gen greedy tokens (ignore EOS).
+
+Per row: decode tokens/s per request, aggregate tokens/s, rounds per request, tokens per row-round (all
+rounds) and per drafting round (rounds that re-feed rolled-back tokens without drafting are counted in
+the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+TAPS = [5, 19, 33, 47, 61]
+# The drafter: Qwen3.8-27B-DFlash2's published shape (block 8, taps 5/19/33/47/61, 5 layers, selector rank 256,
+# top-16 candidates, 2-tap convolutions in groups of 16). Its layer pattern and window are not published; this
+# takes Qwen3.6-27B-DFlash's [S, S, S, S, F] with a 2048-token window (research/anchors_2.md section 1).
+QWEN38_DFLASH2 = {
+    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "vocab_size": 248320, "hidden_size": 5120,
+    "intermediate_size": 17408, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "use_sliding_window": True,
+    "sliding_window": 2048, "num_target_layers": 64,
+    "dflash_config": {"target_layer_ids": TAPS, "block_size": 8, "mask_token_id": 248070, "conv_kernel_size": 2,
+                      "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
+}
+# (label, spec, draft tokens, forced tokens per round)
+PROFILES = [("none", "none", 0, None), ("mtp3@3.18", "mtp", 3, 3.18), ("mtp3@3.4", "mtp", 3, 3.4),
+            ("dflash2-b8@5.4", "dflash2", 7, 5.4)]
+
+
+def prep_forced(out: Path, arch: str, quant: str, max_context: int, log=print) -> None:
+    """Build OUT/q27b-taps and OUT/dflash2-27b (random weights: only config.json and the tokenizer go in)."""
+    import gpu_bench
+    from wide_tokenizer import widen
+
+    from ninfer_mlc.compile.build import compile_model
+    from ninfer_mlc.compile.tiny_default import generate
+
+    with tempfile.TemporaryDirectory(prefix="ninfer_forced_") as tmp:
+        tmp = Path(tmp)
+        tiny = generate(tmp / "tiny")  # a tokenizer for the engine (prompts are ids; its vocabulary bounds sampling)
+        tgt, drf = tmp / "q27b", tmp / "dflash2"
+        tgt.mkdir()
+        drf.mkdir()
+        for f in ("tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+            if (tiny / f).is_file():
+                shutil.copy2(tiny / f, tgt / f)
+        # widened to the full vocabulary (bench/wide_tokenizer.py): the engine samples, and the DFlash2 selector
+        # takes its top-K, over the ids the tokenizer can produce; 2,000 would hide those costs
+        wide = widen(json.loads((tiny / "tokenizer.json").read_text()), gpu_bench.Q27B["vocab_size"])
+        (tgt / "tokenizer.json").write_text(json.dumps(wide, ensure_ascii=False))
+        (tgt / "config.json").write_text(json.dumps(dict(gpu_bench.Q27B, mtp_num_hidden_layers=1)))
+        (drf / "config.json").write_text(json.dumps(QWEN38_DFLASH2))
+        t0 = time.time()
+        compile_model(tgt, target="cuda:" + arch, quant=quant, max_context=max_context, out_dir=out / "q27b-taps",
+                      name="q27b-taps", random_weights=1, tap_layers=",".join(map(str, TAPS)),
+                      log=lambda *m: log("q27b-taps:", *m))
+        drafter_quant = "bf16" if quant in ("bf16", "nvfp4") else quant
+        compile_model(drf, target="cuda:" + arch, quant=drafter_quant, out_dir=out / "dflash2-27b",
+                      name="dflash2-27b", random_weights=2, log=lambda *m: log("dflash2-27b:", *m))
+        log(f"forced-profile artifacts in {time.time() - t0:.1f}s")
+
+
+def _engine(runner, kv, tok, cfg):
+    from ninfer_mlc.runtime.engine import Engine
+
+    return Engine(runner, kv, tok, cfg, []).start()
+
+
+def _measure(eng, prompts, gen: int) -> dict:
+    """Warm-up pass (first-call costs, CUDA graph captures at these page widths), then the measured pass."""
+    from ninfer_mlc.runtime.engine import GenRequest
+    from ninfer_mlc.runtime.sampling import SamplingParams
+
+    def once():
+        hs = [eng.submit(GenRequest(list(p), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)))
+              for p in prompts]
+        t0 = time.perf_counter()
+        for h in hs:
+            for _ in h.iter_sync(timeout=1800):
+                pass
+        return time.perf_counter() - t0, [h.finished for h in hs]
+
+    once()
+    before = eng.stats().spec
+    wall, fins = once()
+    sp = eng.stats().spec
+    rows = sp.row_rounds - before.row_rounds
+    drafting = rows - (sp.no_draft_rounds - before.no_draft_rounds)
+    emitted = sp.emitted_tokens - before.emitted_tokens
+    t = [f.timings for f in fins]
+    pred_ms = float(np.mean([x["predicted_ms"] for x in t]))
+    out = {"requests": len(prompts), "wall_s": round(wall, 3),
+           "decode_tokens_per_s_per_request": round(float(np.mean([x["predicted_per_second"] for x in t])), 2),
+           "aggregate_tokens_per_s": round(sum(x["predicted_n"] for x in t) / wall, 2),
+           "predicted_ms_per_request": round(pred_ms, 2), "forced_acceptance": t[0].get("draft_forced_acceptance")}
+    if rows:
+        per_req_rounds = rows / len(prompts)
+        out.update({"row_rounds": rows, "drafting_row_rounds": drafting,
+                    "tokens_per_round": round(emitted / rows, 3),
+                    "tokens_per_drafting_round": round((sp.accepted_tokens - before.accepted_tokens) / max(1, drafting)
+                                                       + 1, 3),
+                    "rounds_per_request": round(per_req_rounds, 2),
+                    "ms_per_round": round(pred_ms / per_req_rounds, 3)})
+    return out
+
+
+def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches: list[int], deadline: float,
+               device: str = "auto", log=print, save=lambda: None) -> dict:
+    from ninfer_mlc.runtime.assemble import open_engine
+    from ninfer_mlc.runtime.config import EngineConfig
+
+    b_max = max(batches)
+    cfg = EngineConfig(device=device, max_concurrency=b_max, max_pending_requests=b_max, max_context=ctx + gen + 64,
+                       kv_capacity=str(b_max * (ctx + gen + 256)), prefix_reuse=False, prefill_chunk=2048,
+                       spec="dflash2", draft_tokens=7, draft_model=str(drafter_dir))
+    from ninfer_mlc.runtime.spec.dflash_runner import attach_paged_pool
+
+    t0 = time.time()
+    # opened as a speculative engine (MTP: no drafter to load) so the runner has its slot count: one
+    # pre-verification snapshot slot per lane; with only the plain engine's slots no row of a full batch
+    # could take a snapshot, and full batches would never draft
+    base = open_engine(target_dir, replace(cfg, spec="mtp", draft_model=None, draft_tokens=3), start=False)
+    runner, kv, tok = base.runner, base.kv, base.tok
+    del base
+    attach_paged_pool(runner, drafter_dir)  # the drafter's paged layers on the target's page ids
+    res = {"target": str(target_dir), "drafter": str(drafter_dir), "ctx": ctx, "gen": gen,
+           "random_weights": bool(runner.random_weights), "load_seconds": round(time.time() - t0, 2),
+           "rows": [], "skipped": []}
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(10, runner.sample_vocab, (b_max, ctx)).tolist()
+    plain = {}
+    for label, spec, k, forced in PROFILES:
+        pc = replace(cfg, spec=spec, draft_tokens=max(k, 1), forced_acceptance=forced,
+                     draft_model=str(drafter_dir) if spec == "dflash2" else None)
+        for b in batches:
+            if time.time() > deadline:
+                res["skipped"].append({"profile": label, "batch": b})
+                log(f"forced {label} b={b}: skipped (budget)")
+                continue
+            eng = _engine(runner, kv, tok, pc)
+            try:
+                row = {"profile": label, "spec": spec, "draft_tokens": k, "batch": b, **_measure(eng, prompts[:b], gen)}
+            finally:
+                eng.stop()
+            if spec == "none":
+                plain[b] = row
+            elif b in plain:
+                p = plain[b]
+                step_ms = p["predicted_ms_per_request"] / max(1, gen - 1)
+                row["plain_step_ms"] = round(step_ms, 3)
+                if "ms_per_round" in row:
+                    row["round_cost_in_plain_steps"] = round(row["ms_per_round"] / step_ms, 3)
+                row["speedup"] = round(row["decode_tokens_per_s_per_request"] / p["decode_tokens_per_s_per_request"], 3)
+            res["rows"].append(row)
+            log("forced " + json.dumps(row))
+            save()
+    return res
+
+
+def print_forced(res: dict) -> None:
+    if not res or not res.get("rows"):
+        return
+    print(f"\n(c) forced acceptance through the engine ({res['target']}, ctx {res['ctx']}, {res['gen']} greedy tokens"
+          f"{', RANDOM weights' if res.get('random_weights') else ''}): FORCED profiles, not the model's acceptance")
+    print("  profile          b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
+    for r in res["rows"]:
+        print(f"  {r['profile']:15s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
+              f"{r['aggregate_tokens_per_s']:9.1f}  {r.get('tokens_per_round', 1.0):9.2f}  "
+              f"{r.get('tokens_per_drafting_round', 1.0):15.2f}  {r.get('ms_per_round', float('nan')):8.2f}  "
+              f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}")

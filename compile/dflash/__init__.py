@@ -1,0 +1,1 @@
+"""DFlash / DFlash2 block drafters (speculative decoding): config, relax model, kernels, compile."""

@@ -1,0 +1,159 @@
+"""DFlash / DFlash2 block drafters as the proposer (compile/dflash; runtime/spec/dflash_runner.py).
+
+Context: the target's tap-layer outputs (prefill_t / verify_t, DeviceRows that stay on the device) of
+every committed, fed position. After a prefill they are written into the drafter's KV at once; the
+rows a verification keeps (settle -> after_verify) wait and are written at the start of the next
+round in one batched call (before_round), before its verify can replay a CUDA graph over them (or at
+release, so a finished sequence's pages carry the drafter's KV into the prefix cache and the host
+tier). Positions only ever get K/V of committed tokens, so rollback is free.
+
+Drafting: one forward of the block [last committed token, MASK x (B-1)] per request (all requests
+of the round in one call), positions start..start+B-1 where start is the pending token's position;
+draft j is row j + 1: chosen independently per row (DFlash) or along the candidate selector's path
+(DFlash2, runtime/spec/selector.py). The block writes its own K/V on the sequence's pages beyond
+start (reserved here) and into the ring; later context writes replace them.
+
+After a restore from the prefix cache (device or host), the paged layers find the restored prefix
+in the target's pages; the ring layers' window is rebuilt from the rows prefilled after the restore
+point (`ring_lo`: the ring holds positions >= it). Preemption releases the request's state; its
+readmission is such a restore.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..kv.manager import KVManager
+from ..sampling import penalised_logits
+from .base import Choose
+from .dflash_runner import DrafterRunner
+from .mtp import pending_position
+from .selector import CandidateSelector
+from .state import SpecState
+
+log = logging.getLogger("ninfer.spec")
+
+
+@dataclass
+class DFlashSeq:
+    """One request's drafter context."""
+
+    lane: int  # ring lane
+    seq: object  # the target SeqKV whose page ids hold the paged layers' KV
+    written: int  # positions < written are in the drafter's KV (ring: from ring_lo on)
+    ring_lo: int
+    pending: list = field(default_factory=list)  # [(first position, DeviceRows)] not yet written
+
+    @property
+    def end(self) -> int:
+        return self.written + sum(len(r) for _, r in self.pending)
+
+
+class DFlashProposer:
+    wants_prefill_hidden = True
+    target_hidden = "taps"  # prefill / verify return the tap layers' outputs (runner: taps=True)
+
+    def __init__(self, runner, kv: KVManager, draft_dir: str | Path, kind: str, lanes: int, max_batch: int):
+        self.runner, self.kv = runner, kv
+        self.dr = DrafterRunner(draft_dir, runner, lanes, max_batch)
+        if self.dr.cfg.kind != kind:
+            raise ValueError(f"{Path(draft_dir).name} is a {self.dr.cfg.kind} drafter; use --spec {self.dr.cfg.kind}")
+        self.name = kind
+        self.block = self.dr.cfg.block_size
+        self.free_lanes = list(range(lanes))[::-1]
+        self.contexts: dict[int, DFlashSeq] = {}  # lane -> the context living there
+        self.selector = CandidateSelector(*self.dr.codebooks(), self.dr.cfg.selector_top_k) if kind == "dflash2" \
+            else None
+
+    # ---- context ------------------------------------------------------------------------------
+    def _state(self, req, st: SpecState, start: int) -> Optional[DFlashSeq]:
+        d = st.dflash
+        if d is not None and d.seq is req.seq:
+            return d
+        if d is not None:  # another residency of the request (not reached: release runs on preemption)
+            st.dflash = None
+            self.contexts.pop(d.lane, None)
+            self.free_lanes.append(d.lane)
+        if not self.free_lanes:
+            return None
+        d = st.dflash = DFlashSeq(self.free_lanes.pop(), req.seq, written=start, ring_lo=start)
+        self.contexts[d.lane] = d
+        return d
+
+    def _add(self, req, st: SpecState, start: int, rows) -> None:
+        d = self._state(req, st, start)
+        if d is None or not len(rows):
+            return
+        if d.end != start:  # rows went missing (cannot happen on the engine's paths): restart the context here
+            log.warning("dflash: context of request %s jumps from %d to %d", req.rid, d.end, start)
+            d.pending, d.written, d.ring_lo = [], start, start
+        d.pending.append((start, rows))
+
+    def _flush(self, states) -> None:
+        todo = [d for d in states if d is not None and d.pending]
+        if not todo:
+            return
+        self.dr.ctx([(d.seq, d.lane, d.written, [r for _, r in d.pending]) for d in todo])
+        for d in todo:
+            d.written, d.pending = d.end, []
+
+    def after_prefill(self, items) -> None:
+        for req, st, start, rows in items:
+            self._add(req, st, start, rows)
+        self._flush([st.dflash for _, st, _, _ in items])
+
+    def after_verify(self, req, st: SpecState, hidden, kept: int, k: int, start: int) -> None:
+        self._add(req, st, start, hidden)
+
+    def before_round(self) -> None:
+        """Write every context's waiting verify rows (drafting this round or not) in one call: on CUDA
+        they live in a verify graph's output buffer, which this round's verify may replay over."""
+        self._flush(list(self.contexts.values()))
+
+    def release(self, st: SpecState) -> None:
+        d = st.dflash
+        if d is None:
+            return
+        st.dflash = None
+        try:  # committed rows still waiting: their K/V go into the pages the prefix cache keeps
+            self._flush([d])
+        except Exception:  # noqa: BLE001 - a failed step may have left the device unusable; drafts are optional
+            log.exception("dflash: writing the context of a released request failed")
+        self.contexts.pop(d.lane, None)
+        self.free_lanes.append(d.lane)
+
+    # ---- drafting -----------------------------------------------------------------------------
+    def can_draft(self, req, st: SpecState) -> bool:
+        d = st.dflash
+        return d is not None and d.seq is req.seq and d.end == pending_position(req, st)
+
+    def propose(self, items, choose: Choose) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in items]
+        self._flush([st.dflash for _, st, _ in items])
+        limit = self.runner.manifest.max_context
+        live = []
+        for i, (req, st, _) in enumerate(items):
+            start = st.round.start
+            if start + self.block <= limit and self.kv.ensure(req.seq, start + self.block - req.seq.length):
+                live.append(i)
+        if not live:
+            return drafts
+        logits, sel = self.dr.draft([(items[i][0].seq, items[i][1].dflash.lane, items[i][1].round.start,
+                                      items[i][1].round.pending, items[i][1].dflash.ring_lo,
+                                      min(items[i][2], self.block - 1)) for i in live])
+        logits = logits[:, : self.runner.sample_vocab]  # ids the tokenizer can produce, as for the target
+        row = 0
+        for i in live:
+            req, st, k = items[i]
+            k = min(k, self.block - 1)
+            block = logits[row: row + k]
+            if self.selector is not None:
+                drafts[i] = self.selector.walk(block, sel[row: row + k], st.round.pending,
+                                               lambda j, r, req=req: choose(req, r, j),
+                                               lambda r, req=req: penalised_logits(r, req.params, req.row))
+            else:
+                drafts[i] = [choose(req, block[j], j) for j in range(k)]
+            row += k
+        return drafts

@@ -1,0 +1,160 @@
+"""Run a compiled DFlash / DFlash2 drafter (compile/dflash) beside its target.
+
+The drafter library has its own weights only; `draft` gets the target's embedding table and lm_head
+(the target runner's device tensors: nothing is duplicated). Its KV:
+  paged layers   one pool on the TARGET's page ids (target.attach_page_pool, before the host tier is
+                 made: page copies and the host tier move it with the target's pages);
+  ring layers    a ring of window + block positions per lane (one lane per drafting request).
+The runner allocates no pages: the caller hands it target sequences whose pages cover every position
+it writes (the block: start .. start + B - 1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ...contract.drafter import DrafterConfig
+from ...contract.manifest import Manifest, read_manifest
+from ..executor.device_rows import RowStage
+from ..executor.inputs import StepInputs, _Buffer
+from ..executor.weights import load_params, np_dtype
+from ..tvm_loader import load_vm
+
+PAGED_POOL = "dflash"  # the target runner's page_pools key
+
+
+def read_drafter_manifest(draft_dir: str | Path) -> Manifest:
+    m = read_manifest(draft_dir)
+    if "dflash" not in m.extras:
+        raise ValueError(f"{draft_dir}: not a DFlash drafter artifact (compile the drafter's HF directory with "
+                         "`ninfer compile`)")
+    return m
+
+
+def attach_paged_pool(target, draft_dir: str | Path):
+    """Allocate the drafter's paged-layer KV on the target's page ids (None when it has no paged layer)."""
+    m = read_drafter_manifest(draft_dir)
+    shape = m.extras["dflash"]["pools"].get("paged_pool")
+    return target.attach_page_pool(PAGED_POOL, tuple(shape), m.dtype) if shape else None
+
+
+def paged_bytes_per_page(draft_dir: str | Path) -> int:
+    m = read_drafter_manifest(draft_dir)
+    shape = m.extras["dflash"]["pools"].get("paged_pool")
+    return int(np.prod(shape)) * np_dtype(m.dtype).itemsize if shape else 0
+
+
+class DrafterRunner:
+    def __init__(self, draft_dir: str | Path, target, lanes: int, max_batch: int):
+        self.art_dir = Path(draft_dir)
+        self.manifest = m = read_drafter_manifest(draft_dir)
+        self.cfg = cfg = DrafterConfig.from_dict(m.config)
+        self.target = target
+        self._check_target(target)
+        self.tvm, self.dev = target.tvm, target.dev
+        self.vm = load_vm(self.tvm, self.art_dir / m.library, self.dev)
+        self.params, self.weights_bytes, self.random_weights = load_params(m, self.art_dir, self.dev, self.tvm)
+        self.embed = target.param("model.embed_tokens.weight")
+        self.lm_head = self.embed if target.cfg.get("tie_word_embeddings") else target.param("lm_head.weight")
+        self.block = cfg.block_size
+        pools = m.extras["dflash"]["pools"]
+        self.pools = []
+        self.paged_pool = self.ring_pool = None
+        if "paged_pool" in pools:
+            self.paged_pool = attach_paged_pool(target, self.art_dir)
+            self.pools.append(self.paged_pool)
+        if "ring_pool" in pools:
+            # zeroed: slots no position has been written to yet enter the dense attention with weight 0,
+            # and 0 x NaN would poison it
+            shape = (lanes,) + tuple(pools["ring_pool"])
+            self.ring_pool = self.tvm.runtime.tensor(np.zeros(shape, np_dtype(m.dtype)), self.dev)
+            self.pools.append(self.ring_pool)
+        self.lanes = lanes
+        self.inputs = StepInputs(self.tvm, self.dev, max_batch, target.inputs.max_pages)
+        self.stage = RowStage(self.tvm, self.dev)
+        self._bufs: dict[str, _Buffer] = {}
+
+    def _check_target(self, t) -> None:
+        m, cfg = self.manifest, self.cfg
+        name = self.art_dir.name
+        if m.target != t.manifest.target:
+            raise ValueError(f"drafter {name} is built for {m.target}, the target for {t.manifest.target}")
+        if m.dtype != t.manifest.dtype:
+            raise ValueError(f"drafter {name} computes in {m.dtype}, the target in {t.manifest.dtype}: compile the "
+                             f"drafter with the target's activation dtype")
+        if cfg.hidden_size != int(t.cfg["hidden_size"]) or cfg.vocab_size != int(t.cfg["vocab_size"]):
+            raise ValueError(f"drafter {name} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the "
+                             f"target (hidden {t.cfg['hidden_size']}, vocab {t.cfg['vocab_size']})")
+        if not t.has_taps or list(t.tap_layers) != list(cfg.target_layer_ids):
+            raise ValueError(f"the target {t.art_dir.name} exposes tap layers {t.tap_layers or 'none'} but drafter "
+                             f"{name} reads {cfg.target_layer_ids}: recompile the target with "
+                             f"`ninfer compile --tap-layers {self.art_dir}`")
+
+    # ---- inputs ---------------------------------------------------------------------------
+    def _ints(self, name: str, values) -> object:
+        a = np.asarray(values, np.int32).reshape(-1)
+        buf = self._bufs.get(name)
+        if buf is None or buf.capacity < a.size:
+            buf = self._bufs[name] = _Buffer(self.tvm, self.dev, max(a.size, 2 * (buf.capacity if buf else 0), 64))
+        buf.host[: a.size] = a
+        return buf.upload((a.size,))
+
+    def codebooks(self) -> tuple[np.ndarray, np.ndarray]:
+        """DFlash2: the selector's (predecessor, successor) codebooks on the host, [V, rank]."""
+        names = [n for n, _, _ in self.manifest.params]
+        return tuple(self.params[names.index(f"candidate_selector.{k}_codebook.weight")].numpy()
+                     for k in ("predecessor", "successor"))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def ctx(self, items: Sequence[tuple]) -> None:
+        """Write context K/V: items (target seq, lane, first position, [DeviceRows of tap rows, ...]); each
+        item's rows cover consecutive positions from its first one."""
+        seqs, lanes, starts, counts, parts = [], [], [], [], []
+        for seq, lane, start, rows in items:
+            n = sum(len(r) for r in rows)
+            if n == 0:
+                continue
+            if start + n > len(seq.pages) * self.target.page_size:
+                raise ValueError(f"drafter context up to {start + n} lies beyond the sequence's pages")
+            seqs.append(seq)
+            lanes.append(lane)
+            starts.append(start)
+            counts.append(n)
+            parts.extend(rows)
+        if not seqs:
+            return
+        taps = self.stage.gather(parts)
+        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts)
+        keep = [s + n - self.cfg.ring_size for s, n in zip(starts, counts)]
+        self.vm["ctx"](taps, args[1], args[2], args[4], self._ints("lanes", lanes), self._ints("keep", keep),
+                       *self.pools, self.params)
+
+    def draft(self, items: Sequence[tuple]) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """One block per item (target seq, lane, start, anchor token, ring_lo, k): [anchor, MASK x (B-1)] at
+        positions start..start+B-1. Returns logits of the first k mask rows of each block, in order
+        ([sum k, V] fp32) and, for DFlash2, the selector's projected hidden of those rows."""
+        B, mask = self.block, self.cfg.mask_token_id
+        seqs, starts, tokens, rows, attn_pos, kv_rows = [], [], [], [], [], []
+        for i, (seq, _lane, start, anchor, _ring_lo, k) in enumerate(items):
+            if start + B > len(seq.pages) * self.target.page_size:
+                raise ValueError(f"drafter block at {start} lies beyond the sequence's pages")
+            if not 1 <= k < B:
+                raise ValueError(f"a block of {B} drafts 1..{B - 1} tokens, asked for {k}")
+            seqs.append(seq)
+            starts.append(start)
+            tokens.append([int(anchor)] + [mask] * (B - 1))
+            rows.extend(i * B + 1 + j for j in range(k))
+            attn_pos.extend([start + B - 1] * B)
+            kv_rows.extend([i * B + B - 1] * B)
+        args, _, rows_view = self.inputs.ragged(seqs, tokens, np.asarray(rows, np.int32), starts=starts)
+        out = self.vm["draft"](args[0], args[1], self._ints("attn_pos", attn_pos), self._ints("kv_rows", kv_rows),
+                               args[2], args[4], self._ints("lanes", [it[1] for it in items]),
+                               self._ints("ring_lo", [it[4] for it in items]), rows_view, self.embed, self.lm_head,
+                               *self.pools, self.params)
+        logits = out[0].numpy()
+        sel = out[1].numpy() if self.cfg.kind == "dflash2" else None
+        return logits, sel
+
+

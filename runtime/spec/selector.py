@@ -1,0 +1,56 @@
+"""DFlash2's candidate selector: one coherent path through the top-K candidates of each block row.
+
+Row j's candidates are the K best tokens of the drafter's logits (ranked after the request's logit
+edits, bias and penalties, so a biased request gets candidates it can sample; without edits that is
+the reference's top-K); a candidate c after predecessor p scores unary[c] + <A[p] * h_j, B[c]> (A, B:
+the predecessor / successor codebooks, h_j: the row's projected hidden). The walk starts at the anchor
+(the last committed token); each step's choice is made by the engine's `choose` over a vocabulary row
+that holds these scores at the candidates and -inf elsewhere, so greedy takes the argmax (the reference's
+T=0 path) and sampling draws from the processed scores and records that distribution for the rejection
+test (the reference samples softmax(scores / T)): the proposal is whatever q was drawn from, so
+verification stays lossless.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+
+def top_k_ids(row: np.ndarray, k: int, chunk: int = 256) -> np.ndarray:
+    """Ids of the k largest entries (any order). Exact and ~5x faster than one argpartition over a 248k
+    vocabulary: every top-k entry lies in a chunk whose maximum is >= the k-th largest value, and at most k
+    chunks have such a maximum, so the k chunks with the largest maxima (plus the tail) hold them all."""
+    n = row.shape[0] // chunk
+    if n <= 2 * k:
+        return np.argpartition(-row, k - 1)[:k]
+    best = np.argpartition(-row[: n * chunk].reshape(n, chunk).max(1), k - 1)[:k]
+    cand = np.concatenate([(best[:, None] * chunk + np.arange(chunk)).ravel(), np.arange(n * chunk, row.shape[0])])
+    return cand[np.argpartition(-row[cand], k - 1)[:k]]
+
+
+class CandidateSelector:
+    def __init__(self, predecessor: np.ndarray, successor: np.ndarray, top_k: int):
+        self.pred, self.succ, self.top_k = predecessor, successor, int(top_k)
+
+    def scores(self, logits_row: np.ndarray, hidden_row: np.ndarray, predecessor: int,
+               ranked: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+        """(candidate ids [K], their transition scores [K]) of one block row after `predecessor`; `ranked`:
+        the row the candidates are picked from (default: the logits)."""
+        k = min(self.top_k, logits_row.shape[0])
+        cand = top_k_ids(logits_row if ranked is None else ranked, k)
+        a = self.pred[predecessor].astype(np.float32) * hidden_row.astype(np.float32)
+        return cand, logits_row[cand].astype(np.float32) + self.succ[cand].astype(np.float32) @ a
+
+    def walk(self, logits: np.ndarray, hidden: np.ndarray, anchor: int, choose: Callable[[int, np.ndarray], int],
+             rank: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> list[int]:
+        """Drafts for the rows of one block (logits [k, V], hidden [k, rank]); choose(j, row) picks row j's token,
+        rank(row) gives the row candidates are ranked by (the request's logit edits; default: none)."""
+        out, prev = [], int(anchor)
+        for j in range(logits.shape[0]):
+            cand, s = self.scores(logits[j], hidden[j], prev, None if rank is None else rank(logits[j]))
+            row = np.full(logits.shape[1], -np.inf, np.float32)
+            row[cand] = s
+            prev = int(choose(j, row))
+            out.append(prev)
+        return out
