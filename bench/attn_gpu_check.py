@@ -35,6 +35,7 @@ bench/gpu_bench.py (bench/README.md; `carry: [".gpu"]`):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -102,9 +103,10 @@ def kernel_funcs(baseline: bool = True, variants: bool = True, tags=None) -> dic
     return {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
 
 
-def _baseline_module(rev: str = "HEAD"):
+def _baseline_module(rev: str | None = None):
     """compile/kernels/cuda/attention.py at git `rev`, imported next to the current one."""
     rel = "compile/kernels/cuda/attention.py"
+    rev = rev or os.environ.get("ATTN_BASELINE_REV", "HEAD")  # e.g. main's commit for a before/after run
     try:
         src = gc.git_show(rev, rel)
     except (OSError, subprocess.CalledProcessError) as e:
@@ -334,7 +336,7 @@ def cmd_run(a) -> int:
             write_rows(ref_pool.view(torch.int16) if exp_rows.dtype == _np_dt("bfloat16") else ref_pool, m, pos,
                        tseq, pt, exp_rows)
             ref = reference(m, np.asarray(q, np.float32), ref_pool.cpu().numpy() if m["quant"] else ref_pool,
-                            pos, tseq, pt)
+                            pos, tseq, pt, torch_dev=be.device if m["quant"] and be.device == "cuda" else None)
             args = be.bind(m, q, k, v, pos, tseq, pt, pool_t)
             got = be.call(m["func"], args)
             err = rel_err(got, ref)
@@ -380,7 +382,9 @@ def cmd_run(a) -> int:
 def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
     """Times the case's kernel, the HEAD baseline and (bf16, within the budget) the variants."""
     torch, dev = be.torch, be.dev
-    fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs]
+    # (the old quantized prefill runs the SIMT path over the whole context per token: timed at 2k only)
+    slow_old = m["quant"] and "_pf_" in m["name"] and not m["name"].endswith("_pf_2k")
+    fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs and not slow_old]
     if m["tag"] == "bf16" and not a.skip_variants and time.time() - t_start < a.budget_s and "_pf_" not in m["name"]:
         fns += [fn for fn in sorted(funcs) if fn.startswith("v_")]
     timing = {}

@@ -27,7 +27,7 @@ servewhl() { # the HTTP server's wheels (bench/serve_wheels.sh), once
 for step in "$@"; do
   case $step in
     gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
-    attn) [ -d .gpu/attn ] && run attn 150 python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ;;
+    attn) [ -d .gpu/attn ] && run attn ${ATTN_TIMEOUT:-150} python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ${ATTN_ARGS:-} ;;
     gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
     sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;

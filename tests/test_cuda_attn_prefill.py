@@ -25,13 +25,15 @@ def test_prefill_path_selection():
 
     assert A.prefill_applies(24, 4, 256, "bfloat16", None)
     assert A.prefill_applies(8, 2, 64, "float16", "float16")
-    assert not A.prefill_applies(24, 4, 256, "bfloat16", "fp8")
+    assert A.prefill_applies(24, 4, 256, "bfloat16", "fp8") and A.prefill_applies(24, 4, 256, "bfloat16", "nvfp4")
+    assert not A.prefill_applies(24, 4, 256, "float16", "nvfp4")  # dequantized values need bf16's range
     assert not A.prefill_applies(24, 4, 256, "float32", None)
     assert not A.prefill_applies(4, 2, 32, "bfloat16", None)
     src = A.paged_attention(24, 4, 256, 64, 2, "bfloat16", 1 / 16).script()
     assert "ninfer_attn_prefill_" in src and "shared.dyn" in src
     assert "ninfer_attn_prefill_" not in A.paged_attention(24, 4, 256, 64, 2, "bfloat16", 1 / 16, prefill=False).script()
-    assert "ninfer_attn_prefill_" not in A.paged_attention(24, 4, 256, 64, 2, "bfloat16", 1 / 16, kv_dtype="fp8").script()
+    assert "ninfer_attn_prefill_" in A.paged_attention(24, 4, 256, 64, 2, "bfloat16", 1 / 16, kv_dtype="fp8").script()
+    assert "ninfer_attn_prefill_" not in A.paged_attention(24, 4, 256, 64, 2, "float16", 1 / 16, kv_dtype="fp8").script()
     assert A.attend_splits(64, 8, 4, 64, prefill_min=64) == 1
 
 

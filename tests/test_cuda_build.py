@@ -291,14 +291,16 @@ def test_attention_reference_matches_llvm_kernel():
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_attention_cuda_source_on_cpu_emulator():
-    """The generated CUDA of the paged attention (tensor-core path for bf16 pages, SIMT path for
-    f32 / fp8 / nvfp4) run on the CPU emulator (fibers per thread; shuffles, barriers and
-    mma.m16n8k16 emulated) matches the float64 reference; appended page bytes are exact."""
+    """The generated CUDA of the paged attention (tensor-core split path for bf16, fp8 and nvfp4 pages,
+    SIMT path for f32 and small quantized geometries; the prefill launch over fp8 / nvfp4 pages) run on the
+    CPU emulator (fibers per thread; shuffles, barriers and mma.m16n8k16 emulated) matches the float64
+    reference; appended page bytes are exact."""
     from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
     from ninfer_mlc.compile.kernels.cuda.emulate import attention as C
 
     cases = {m["name"]: m for m in C.all_cases()}
-    names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec")
+    names = ("emu_bf16_dec", "emu_bf16_prefill", "f32tiny_mixed", "emu_fp8_dec", "emu_nvfp4_dec", "emu_fp8_pf",
+             "emu_nvfp4_pf", "emu_fp8tiny", "emu_nvfp4tiny")  # the last two: quantized pages on the SIMT path
     lib = EmuLib(C.kernel_funcs(tags={cases[n]["tag"] for n in names}))
     for name in names:
         r = C.emulate_case(cases[name], lib)
@@ -308,9 +310,9 @@ def test_attention_cuda_source_on_cpu_emulator():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_attention_kernels_compile_without_spills(tmp_path):
     """27B geometry: the bf16 attend kernel takes the tensor-core path with __launch_bounds__(128, 2);
-    bf16 / fp8 / nvfp4 kernels (the bf16 one with its prefill attend launch: 4 kernels) compile for sm_90
-    without register spills. One nvcc per page format, run concurrently (nvcc uses one core; the fp8 and
-    nvfp4 kernels take ~30 s each)."""
+    bf16 / fp8 / nvfp4 kernels (each with its prefill attend launch: 4 kernels) compile for sm_90 without
+    register spills; the fp8 / nvfp4 split attends run f16 mma on converted / dequantized fragments. One
+    nvcc per page format, run concurrently (nvcc uses one core; the fp8 and nvfp4 kernels take ~30 s each)."""
     import subprocess
 
     from ninfer_mlc.compile.kernels.cuda.emulate import cuda_source
@@ -322,6 +324,8 @@ def test_attention_kernels_compile_without_spills(tmp_path):
         srcs[name] = cuda_source({name: f.with_attr("global_symbol", name)})[0]
     assert "__launch_bounds__(128, 2) attn_bf16_kernel_1(" in srcs["attn_bf16"]
     assert "mma.sync.aligned.m16n8k16" in srcs["attn_bf16"]
+    assert "ninfer_attn_nvfp4_f16x8(" in srcs["attn_nvfp4"].split("attn_nvfp4_kernel_2(")[-1]
+    assert "ninfer_attn_e4m3x2_f16x2(" in srcs["attn_fp8"].split("attn_fp8_kernel_2(")[-1].split("attn_fp8_kernel_3(")[0]
     procs = []
     for name, src in srcs.items():
         (tmp_path / f"{name}.cu").write_text(src)
@@ -334,7 +338,7 @@ def test_attention_kernels_compile_without_spills(tmp_path):
         assert p.returncode == 0, err
         report += err
     spills = re.findall(r"(\d+) bytes spill stores", report)
-    assert len(spills) == 10 and set(spills) == {"0"}, report
+    assert len(spills) == 12 and set(spills) == {"0"}, report
 
 
 # ---- NVFP4 decode GEMV (compile/kernels/cuda/gemv.py gemv_nvfp4) ----------------------------------

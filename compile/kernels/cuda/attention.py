@@ -31,13 +31,27 @@ Three launches inside the one prim_func (stream order is the barrier between the
                     words with 16-bit permutes, B = the lane's own P (bf16 / f16, packed with
                     cvt.rn) exactly in the layout the S fragment left it.
      Lane (g, t) ends with heads 2t, 2t+1 x columns 64q + 8g + 0..7 in 4*D/16 fp32 registers.
-     SIMT path (f32 pages, fp8 / nvfp4 pages, small or odd geometries): lane l owns the D/32
+     nvfp4 pages (D = 256, 16-bit activations) take the same path with f16 mma on fragments dequantized
+     in registers (every code x block scale is exact in f16): lane (g, t) loads 32 code bytes of K rows
+     g and 8+g (columns 64t..64t+63; its k order: word s of f16 pairs (0,2) (1,3) (4,6) (5,7) of columns
+     64t + 8s, Q staged in shared memory in that order) and 16 code bytes of V rows 2t, 2t+1, 2t+8, 2t+9
+     (columns 32g..32g+31, so the lane ends with columns 32g + 8q + 0..7), plus their scale bytes: 8
+     16-byte and 6 4-byte loads per 16 positions (72 + 72 bytes per lane instead of 256 + 256), then per
+     8 codes 2 byte permutes (magnitude from the f16 high bytes, sign), 1 f16x2 multiply by the scale.
+     fp8 pages (16-bit activations) take it with the bf16 path's columns (rows of D + 4 bytes: 4-byte
+     loads), each pair of E4M3 codes converted to f16x2 by one cvt; the K row exponent scales the lane's
+     scores, the V row exponent e joins the P.V weights: P = 2^(s + e - mv) in f16 with mv the running
+     max of s + e (so P stays in [0, 1] whatever the row scales), the sums keep 2^(s - m), and the
+     accumulators are brought back by 2^(mv - m) before the warps merge. Both stage Q in shared memory
+     as f16 (bf16 Q values are exact in f16 between 2^-14 and 65504; larger ones would overflow).
+     SIMT path (f32 pages, quantized pages of other geometries, small or odd ones): lane l owns the D/32
      contiguous columns of Q (fp32 registers), of every K/V row it reads (16-byte loads where the
      row layout allows) and of the accumulators. Per batch of QB positions each lane forms
      G x QB partial dot products; a transposing butterfly (halve the position set on lane bits 16,
      8, 4, then full xor reduce) leaves lane l with the scores of position l >> (5 - log2 QB) for
      all heads (~G*(QB+1) shuffles per QB positions); P.V shuffles each p from its lane.
-  2'. prefill attend (bf16 / f16 pages of the activation dtype, D % 64 == 0; calls with n >= prefill_min
+  2'. prefill attend (bf16 / f16 pages of the activation dtype, or fp8 / nvfp4 pages under bf16 activations,
+     D % 64 == 0; calls with n >= prefill_min
      = 64 tokens, a host-side branch; nsplit is then 1): FlashAttention-2 (prefill_source, CUDA source
      called from a thin launch). Grid (ceil(n G / 64), Hkv) x 128 threads, 99 KB dynamic shared memory
      (D = 256). A block takes 64 rows R = i G + h (token i, query head h of KV head blockIdx.y; late
@@ -47,6 +61,10 @@ Three launches inside the one prim_func (stream order is the barrier between the
      ldmatrix, V by ldmatrix.trans, P re-packed from the S accumulators), online softmax in base 2 per
      row, mask: position <= the row's position and row of the pass's sequence. A tile whose rows span
      several sequences walks each sequence's pages in its own pass (rows of other sequences masked).
+     Quantized pages: each thread loads its (row, 16-column block) units of the next K/V tile into
+     registers before the mma work on the current tile and dequantizes them into the other bf16
+     shared buffer after it (exact: codes to f16 by the split path's helpers, to fp32, x the fp8 row
+     scale, packed to bf16).
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
@@ -59,8 +77,9 @@ Quantized pages (kv_dtype fp8 | nvfp4): the llvm kernel's uint8 pool layout and 
 bytes (compile/kernels/attention_quant.py). The append launch is then one warp per (token, KV head):
 for nvfp4 a lane per 16-element block (amax, E4M3 scale, E2M1 codes, packed bytes), for fp8 the
 lanes split the row, reduce the row amax with shuffles and write the E4M3 codes and the E8M0 byte.
-The attend launch (SIMT path) loads the row bytes with 4-byte loads where the row layout allows
-and dequantizes each element to fp32 exactly (code x row / block scale). TVM compiles CUDA with
+The split attend launch (SIMT path: odd geometries, f32 activations) loads the row bytes with 4-byte loads where
+the row layout allows and dequantizes each element once per position to fp32 exactly (code x row /
+block scale) with branch-free integer decoders (a Select on a loaded code compiles to an if / else). TVM compiles CUDA with
 --use_fast_math (approximate division, flush-to-zero), so the encoders use IEEE __fdiv_rn and find
 amax by comparing integer bit patterns (subnormals and NaN handled like the llvm kernel).
 """
@@ -129,6 +148,46 @@ __forceinline__ __device__ unsigned ninfer_attn_pack_{t}x2(float lo, float hi) {
 }
 
 
+# nvfp4 pages on tensor cores (f16 mma). NVFP4_F16X8: the 8 E2M1 codes of a word (element x in nibble x)
+# times the block scale as 4 f16x2 words holding elements (0, 2), (1, 3), (4, 6), (5, 7): magnitudes by one
+# byte permute from the f16 high bytes of (0, .5, 1, 1.5, 2, 3, 4, 6) (low bytes 0), signs by a second
+# permute (the code's sign bit is its nibble's top bit), then one f16x2 multiply (exact: code x scale has
+# at most 6 significant bits in [2^-10, 2688]). E4M3_F16X2: the block-scale byte as an f16x2 pair.
+NVFP4_F16X8_FN, NVFP4_F16X8_SRC = "ninfer_attn_nvfp4_f16x8", _dev_src("""
+__forceinline__ __device__ void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w, unsigned s2) {
+  const unsigned src[4] = {w << 4, w, w >> 12, w >> 16};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned mag = __byte_perm(0x3E3C3800u, 0x46444240u, src[k] & 0x7070u);
+    const unsigned h = mag | (__byte_perm(src[k], 0u, 0x1404u) & 0x80008000u);
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d[k]) : "r"(h), "r"(s2));
+  }
+}""", guard=True)
+E4M3_F16X2_FN, E4M3_F16X2_SRC = "ninfer_attn_e4m3_f16x2", _dev_src("""
+__forceinline__ __device__ unsigned ninfer_attn_e4m3_f16x2(unsigned b) {
+  unsigned r;
+  const unsigned short x = (unsigned short)((b & 0xFFu) * 0x101u);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}""", guard=True)
+NVFP4_F16_PERM = ((0, 2), (1, 3), (4, 6), (5, 7))  # elements of the f16x2 words of NVFP4_F16X8
+# fp8 pages on tensor cores: the two E4M3 codes of the low 16 bits of w as an f16x2 pair (exact)
+E4M3X2_F16X2_FN, E4M3X2_F16X2_SRC = "ninfer_attn_e4m3x2_f16x2", _dev_src("""
+__forceinline__ __device__ unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {
+  unsigned r;
+  const unsigned short x = (unsigned short)(w & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(x));
+  return r;
+}""", guard=True)
+# the low f16 half of h as fp32 (exact)
+H2F_SRC = _dev_src("""
+__forceinline__ __device__ float ninfer_attn_h2f(unsigned h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(h & 0xFFFFu)));
+  return f;
+}""", guard=True)
+
+
 def _fdiv_rn(a, b):
     """IEEE round-to-nearest fp32 division (TVM builds CUDA with --use_fast_math)."""
     return tirx.call_pure_extern("float32", "__fdiv_rn", a, b)
@@ -148,6 +207,28 @@ def _fp8_exponent_bits(ab):
     return tirx.Select(ab > _u32(0), tirx.Cast("uint32", b), _u32(127))
 
 
+def _signed(mag, sign_bit):
+    """mag (float32 >= 0) with sign_bit (uint32: 0 or 1 << 31) ORed into its bits."""
+    return tirx.reinterpret("float32", tirx.reinterpret("uint32", mag) | sign_bit)
+
+
+def _e2m1_twice(c):
+    """2 x the E2M1 value of code c & 15 (uint32), exact and branch-free: 2 x magnitude is the nibble
+    (0, 1, 2, 3, 4, 6, 8, 12)[c & 7] of 0xC8643210."""
+    mag = tirx.Cast("float32", tirx.Cast("int32", (_u32(0xC8643210) >> ((c & _u32(7)) << _u32(2))) & _u32(15)))
+    return _signed(mag, (c & _u32(8)) << _u32(28))
+
+
+def _e4m3_value(c):
+    """E4M3 value of code c & 255 (uint32), exact and branch-free (0x7F: 480, as the llvm kernel): 2^9 x
+    the magnitude is the integer ((c & 7) | 8 [e > 0]) << max(e - 1, 0), e = (c >> 3) & 15."""
+    e = (c >> _u32(3)) & _u32(15)
+    nz = (e + _u32(15)) >> _u32(4)
+    mag = tirx.Cast("float32", tirx.Cast("int32", ((c & _u32(7)) | (nz << _u32(3))) << (e - nz))) * tirx.const(
+        2.0 ** -9, "float32")
+    return _signed(mag, (c & _u32(0x80)) << _u32(24))
+
+
 def _nvfp4_code(x, scale):
     return tirx.Select(scale > tirx.const(0.0, "float32"), e2m1_encode(_fdiv_rn(x, scale)), _u32(0))
 
@@ -165,10 +246,16 @@ def _pow2_div(x: int, cap: int) -> int:
 
 
 def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
-    """The tensor-core attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0 and at
-    most 8 query heads per KV head (the heads are the N = 8 side of the P.V mma)."""
+    """The tensor-core attend path: at most 8 query heads per KV head (the heads are the N = 8 side of the
+    P.V mma) and 16-bit pages of the activation dtype with head_dim % 64 == 0, nvfp4 pages with
+    head_dim 256 or fp8 pages with head_dim % 64 == 0 under 16-bit activations (f16 mma: every
+    dequantized nvfp4 value and every E4M3 code is exact in f16; fp8 row exponents scale the scores and
+    join the P.V weights' exponent)."""
     kv = kv_dtype or dtype
-    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads // n_kv <= 8
+    if n_heads // n_kv > 8 or dtype not in ("bfloat16", "float16"):
+        return False
+    return (kv == dtype and head_dim % 64 == 0) or (kv == "nvfp4" and head_dim == 256) or (
+        kv == "fp8" and head_dim % 64 == 0)
 
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
@@ -181,8 +268,8 @@ def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: 
     W = max(1, min(_pow2_floor(threads // 32), 16))
     if dtype is not None and (mma if mma is not None else True) and mma_applies(n_heads, n_kv, head_dim, dtype,
                                                                                  kv_dtype):
-        return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16, esize=2,
-                    min_blocks=max(1, 8 // W))
+        return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16,
+                    esize={"nvfp4": 0.5, "fp8": 1}.get(kv_dtype, 2), min_blocks=max(1, 8 // W))
     if kv_dtype in ("float32", "bfloat16", "float16"):
         esize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
         mode = "vec"
@@ -259,33 +346,136 @@ __forceinline__ __device__ void ninfer_attn_cp_wait1() { asm volatile("cp.async.
 
 
 def prefill_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
-    """The prefill (FlashAttention-2) attend path: 16-bit pages of the activation dtype, head_dim % 64 == 0."""
+    """The prefill (FlashAttention-2) attend path: head_dim % 64 == 0 and 16-bit pages of the activation
+    dtype, or fp8 / nvfp4 pages under bf16 activations (tiles dequantized into the bf16 shared tiles: every
+    dequantized value is exact in bf16, not in f16)."""
     kv = kv_dtype or dtype
-    return kv == dtype and kv in ("bfloat16", "float16") and head_dim % 64 == 0 and n_heads % n_kv == 0
+    if head_dim % 64 or n_heads % n_kv:
+        return False
+    return (kv == dtype and kv in ("bfloat16", "float16")) or (kv in QUANT_KV_DTYPES and dtype == "bfloat16")
 
 
 def prefill_smem_bytes(head_dim: int) -> int:
     return (PF_BQ + 4 * PF_BKV) * (head_dim * 2 + 16)
 
 
+def _quant_tile_src(kv_dtype: str, head_dim: int, page_size: int, n_kv: int, n_layers: int, pack_fn: str) -> str:
+    """CUDA lambdas of the prefill block for quantized pages: qload(t) issues the global loads of K/V tile
+    t (this thread's PF_BKV * head_dim / 16 / PF_NT units of (row, 16 columns), K and V) into registers,
+    qstore(t) dequantizes them and writes the bf16 rows of the tile's shared buffer. Row bytes: the llvm
+    kernel's layout (attention_quant): nvfp4 = D/2 code bytes (element 2j in the low nibble of byte j)
+    then D/16 E4M3 block scales; fp8 = D E4M3 codes, the E8M0 row exponent, 3 pad bytes."""
+    D, PS, HKV, NL = head_dim, page_size, n_kv, n_layers
+    RB = kv_row(kv_dtype, D)[1]
+    NBLK = D // NVFP4_BLOCK
+    UPT = PF_BKV * NBLK // PF_NT  # units per thread and tile
+    if PF_BKV * NBLK % PF_NT or RB % 4:
+        raise ValueError(f"prefill tiles of {kv_dtype} pages need {PF_NT} | {PF_BKV * NBLK} units and 4-byte rows")
+    NW = 2 if kv_dtype == "nvfp4" else 4  # 32-bit code words per unit
+    code_ofs = "8 * b" if kv_dtype == "nvfp4" else "16 * b"
+    scale_ofs = f"{D // 2} + b" if kv_dtype == "nvfp4" else f"{D}"
+    if kv_dtype == "nvfp4":
+        # f16x2 pairs (0,2) (1,3) (4,6) (5,7) of each 8 codes (x block scale, exact), re-paired as fp32
+        dequant = f"""
+        unsigned h[8];
+        const unsigned s2 = ninfer_attn_e4m3_f16x2(sc & 0x7Fu);
+        ninfer_attn_nvfp4_f16x8(h, wd[0], s2);
+        ninfer_attn_nvfp4_f16x8(h + 4, wd[1], s2);
+#pragma unroll
+        for (int x = 0; x < 8; x += 2) {{
+          const unsigned* g = h + x;  // words (0,2)+(1,3) or (4,6)+(5,7) of 8 codes
+          pk[x] = {pack_fn}(ninfer_attn_h2f(g[0]), ninfer_attn_h2f(g[1]));
+          pk[x + 1] = {pack_fn}(ninfer_attn_h2f(g[0] >> 16), ninfer_attn_h2f(g[1] >> 16));
+        }}"""
+    else:
+        dequant = f"""
+        union {{ float f; unsigned u; }} rs;
+        rs.u = (unsigned)sc << 23;  // 2^(byte - 127), byte in [1, 253]
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {{
+          const unsigned h = ninfer_attn_e4m3x2_f16x2(wd[x >> 1] >> (16 * (x & 1)));
+          pk[x] = {pack_fn}(ninfer_attn_h2f(h) * rs.f, ninfer_attn_h2f(h >> 16) * rs.f);
+        }}"""
+    return f"""
+    // quantized pages: this thread's units (row, 16-column block) of K and V, raw bytes in registers
+    unsigned qw[2][{UPT}][{NW}];
+    unsigned char qs[2][{UPT}];
+    auto qload = [&](int t) {{
+      const int t0 = t * {PF_BKV};
+      const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * RB}LL;
+#pragma unroll
+      for (int k = 0; k < {UPT}; ++k) {{
+        const int u = tid + k * {PF_NT}, r = u / {NBLK}, b = u % {NBLK};
+        // positions past the sequence's length: its last row (finite values, masked)
+        const unsigned char* src = qpool + base + (long long)(t0 % {PS} + min(r, lmax - 1 - t0)) * {RB};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {{
+          const unsigned char* row = src + c * {HKV * PS * RB}LL;
+#pragma unroll
+          for (int x = 0; x < {NW}; ++x) qw[c][k][x] = ((const unsigned*)(row + {code_ofs}))[x];
+          qs[c][k] = row[{scale_ofs}];
+        }}
+      }}
+    }};
+    auto qstore = [&](int t) {{
+#pragma unroll
+      for (int k = 0; k < {UPT}; ++k) {{
+        const int u = tid + k * {PF_NT}, r = u / {NBLK}, b = u % {NBLK};
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {{
+        const unsigned* wd = qw[c][k];
+        const unsigned sc = qs[c][k];
+        unsigned pk[8];{dequant}
+        uint4* dst = (uint4*)((c ? sV : sK) + (t & 1) * {PF_BKV * (D * 2 + 16)} + r * {D * 2 + 16} + 32 * b);
+        dst[0] = make_uint4(pk[0], pk[1], pk[2], pk[3]);
+        dst[1] = make_uint4(pk[4], pk[5], pk[6], pk[7]);
+        }}
+      }}
+    }};"""
+
+
 def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str,
-                   scale2: float) -> str:
+                   scale2: float, kv_dtype: str | None = None) -> str:
     """CUDA of the prefill attend block (see the module docstring): Q tile of PF_BQ (token, head) rows of
     KV head blockIdx.y in shared memory, K/V tiles of PF_BKV positions double-buffered by cp.async,
     S = Q K^T and O += P V by mma.m16n8k16 with ldmatrix fragments, online softmax (base 2) per row,
-    causal / sequence mask per row; one pass over the K/V of every sequence present in the tile."""
+    causal / sequence mask per row; one pass over the K/V of every sequence present in the tile.
+    kv_dtype fp8 / nvfp4: the K/V tiles are loaded into registers one tile ahead (before the mma work on
+    the current tile) and dequantized into the bf16 shared buffers after it (_quant_tile_src)."""
     D, G, HQ, HKV, PS, NL = head_dim, n_heads // n_kv, n_heads, n_kv, page_size, n_layers
+    quant = kv_dtype in QUANT_KV_DTYPES
     SROW = D * 2 + 16  # bytes per shared row (16 bytes of padding: conflict-free ldmatrix)
     mma_fn = _MMA_SRC[dtype][0].replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_")
     pack_fn = _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_")
     BQ, BKV, NT = PF_BQ, PF_BKV, PF_NT
+    # (the 16-bit pages' source stays byte-identical: an older build of it may share a module, by name)
+    qpool = "\n  const unsigned char* qpool = (const unsigned char*)poolv;" if quant else ""
+    if quant:
+        qtile = _quant_tile_src(kv_dtype, D, PS, HKV, NL, pack_fn)
+        first_tile = """    qload(0);
+    qstore(0);"""
+        next_tile = """
+      if (t + 1 < nkv) qload(t + 1);
+      if (t == 0) ninfer_attn_cp_wait0();  // the Q tile"""
+        store_next = """
+      if (t + 1 < nkv) qstore(t + 1);  // the other buffer: last read before the previous barrier"""
+    else:
+        qtile, store_next = "", ""
+        first_tile = """    load(0);"""
+        next_tile = """
+      if (t + 1 < nkv) {
+        load(t + 1);
+        ninfer_attn_cp_wait1();
+      } else {
+        ninfer_attn_cp_wait0();
+      }"""
     return f"""
 // NINFER_ATTN_SRC_BEGIN (kept by the CPU emulator, compile/kernels/cuda/emulate)
 __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
     const int* __restrict__ pos, const int* __restrict__ tseq, const int* __restrict__ pt, void* __restrict__ outv,
     int n, int p, int layer, unsigned char* smem) {{
   const unsigned short* q = (const unsigned short*)qv;
-  const unsigned short* pool = (const unsigned short*)poolv;
+  const unsigned short* pool = (const unsigned short*)poolv;{qpool}
   unsigned* out = (unsigned*)outv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
   const int nrows = n * {G};
@@ -329,7 +519,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     int lmax = 0;
     for (int j = it; j <= i_hi; ++j) if (tseq[j] == sq) lmax = max(lmax, pos[j] + 1);
     const int* ptr = pt + (long long)sq * p;
-    const int nkv = (lmax + {BKV - 1}) / {BKV};
+    const int nkv = (lmax + {BKV - 1}) / {BKV};{qtile}
     auto load = [&](int t) {{
       const int t0 = t * {BKV};
       const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * D};
@@ -346,14 +536,8 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     }};
     bool act[2];
     for (int rr = 0; rr < 2; ++rr) act[rr] = rok[rr] && rseq[rr] == sq;
-    load(0);
-    for (int t = 0; t < nkv; ++t) {{
-      if (t + 1 < nkv) {{
-        load(t + 1);
-        ninfer_attn_cp_wait1();
-      }} else {{
-        ninfer_attn_cp_wait0();
-      }}
+{first_tile}
+    for (int t = 0; t < nkv; ++t) {{{next_tile}
       __syncthreads();
       const unsigned char* kb = sK + (t & 1) * {BKV * SROW};
       const unsigned char* vb = sV + (t & 1) * {BKV * SROW};
@@ -424,7 +608,7 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
           ninfer_attn_ldsm_x4_t(b, vb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + dp * 32 + (lane >> 4) * 16);
           {mma_fn}(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
           {mma_fn}(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
-        }}
+        }}{store_next}
       __syncthreads();
     }}
   }}
@@ -506,12 +690,16 @@ def paged_attention(
     RBV = row_bytes // VEC  # row length in vectors
     MMA = bool(mma) if mma is not None else mma_ok
     if MMA and not mma_ok:
-        raise ValueError(f"the tensor-core path needs {dtype} == KV dtype in (bfloat16, float16), head_dim % 64 == 0 "
-                         f"and at most 8 query heads per KV head (got {kv_dt}, {head_dim}, {G})")
+        raise ValueError(f"the tensor-core path needs {dtype} == KV dtype in (bfloat16, float16), head_dim % 64 == 0, "
+                         f"or nvfp4 KV with head_dim 256, and at most 8 query heads per KV head "
+                         f"(got {kv_dt}, {head_dim}, {G})")
     NSLAB = D // 32  # 32-column slabs of a K row (two k16 steps each)
     NQ = D // 64  # 64-column groups of a V row (four 16-row m tiles each)
     NACC = NQ * 16  # fp32 accumulators per lane (heads 2tig, 2tig+1 x 8 columns per group)
-    RBW = D // 8 if MMA else 1  # row length in 16-byte units (uint32 x 4)
+    MMAQ = MMA and nvfp4  # tensor cores over nvfp4 pages (f16 mma on fragments dequantized in registers)
+    MMA8 = MMA and kv_dt == "fp8"  # tensor cores over fp8 pages (f16 mma on the converted codes, row exponents)
+    RBW = (row_bytes // 16 if nvfp4 else 1 if quant else D // 8) if MMA else 1  # row in 16-byte units (uint32 x 4)
+    RBU = row_bytes // 4  # row length in 32-bit words
     QROW = D // 2 + 16  # words per Q row in shared memory (padded: a 16-byte read of rows g, g+1 is conflict-free)
     MIN_BLOCKS = plan["min_blocks"]  # attend blocks per SM the register budget must allow (8 warps)
     MMA_FN, MMA_SRC = _MMA_SRC["bfloat16" if kv_dt == "bfloat16" else "float16"]
@@ -527,15 +715,18 @@ def paged_attention(
     pf_ok = prefill_applies(n_heads, n_kv, head_dim, dtype, kv_dt)
     PF = bool(prefill) if prefill is not None else pf_ok
     if PF and not pf_ok:
-        raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16) and head_dim % 64 == 0")
+        raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16), or fp8 / nvfp4 KV under "
+                         f"bfloat16, and head_dim % 64 == 0 (got {kv_dt}, {head_dim})")
     PF_MIN = max(1, int(prefill_min))
     PF_SMEM = prefill_smem_bytes(D)
     PF_NAME = "ninfer_attn_prefill_" + "_".join(str(x) for x in (n_heads, n_kv, D, PS, n_layers)) + (
-        "_bf16" if dtype == "bfloat16" else "_f16") + "_s" + format(float(sm_scale), ".9e").replace(".", "p").replace(
-        "-", "m").replace("+", "")
+        "_bf16" if dtype == "bfloat16" else "_f16") + ("_" + kv_dt if quant else "") + "_s" + format(
+        float(sm_scale), ".9e").replace(".", "p").replace("-", "m").replace("+", "")
     PF_SRC = (_PF_HELPERS.get(dtype, "") + LDSM_SRC[False][1]
-              + LDSM_SRC[True][1] + CP_SRC + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype,
-                                                              float(sm_scale) * LOG2E) if PF else ""))
+              + LDSM_SRC[True][1] + CP_SRC
+              + (NVFP4_F16X8_SRC + E4M3_F16X2_SRC + E4M3X2_F16X2_SRC + H2F_SRC if quant and PF else "")
+              + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype, float(sm_scale) * LOG2E,
+                                kv_dt if quant else None) if PF else ""))
     scale2 = float(sm_scale) * LOG2E
 
     def load(pool, pg, layer, c, h, slot, d):
@@ -551,15 +742,17 @@ def paged_attention(
         return e4m3_decode(code) * pow2_from_e8m0(tirx.Cast("uint32", pool[pg, layer, c, h, slot, head_dim]))
 
     def elem(raw, sf, c, j, e):
-        """fp32 column e (of the lane's DL) of raw row (c, j)."""
+        """fp32 column e (of the lane's DL) of raw row (c, j): branch-free decoders (a Select on a loaded
+        code became an if / else per element and head in the generated CUDA: ~2500 instructions per
+        position and warp, the nvfp4 decode ran at ~37 GB/s)."""
         r = (c * QB + j) * RW
         if MODE == "vec" or MODE == "scalar":
             return T.Cast("float32", raw[r + e])
         if MODE == "fp8v":
-            return e4m3_decode(T.Cast("uint32", raw[r + e])) * sf[c * QB + j]
+            return _e4m3_value(T.Cast("uint32", raw[r + e])) * sf[c * QB + j]
         byte = T.Cast("uint32", raw[r + e // 2])
-        code = (byte >> (T.Cast("uint32", e % 2) * _u32(4))) & _u32(15)
-        return e2m1_decode(code) * sf[(c * QB + j) * NSB + e // NVFP4_BLOCK]
+        code = byte >> (T.Cast("uint32", e % 2) * _u32(4))
+        return _e2m1_twice(code) * sf[(c * QB + j) * NSB + e // NVFP4_BLOCK]  # sf holds half the block scale
 
     def _or_words(buf, nvec):
         """OR of the first word of each of the nvec loaded 16-byte vectors in buf."""
@@ -583,12 +776,67 @@ def paged_attention(
         ns = T.Cast("int64", _nsplit(n, p))
         return T.Select(ns > 1, n * n_heads * ns * per, T.int64(1))
 
+    NKLD = 2 * 2 if MMAQ else 2 * NSLAB  # 16-byte K / V loads per lane and batch
+    NVLD = 4 if MMAQ else 4 * NQ
+    RBX = RBU if MMA8 else RBW  # unit of the row base rb (fp8 rows: 4-byte words)
+
+    def _kexp(ksc, r):
+        """fp8: 2^(e - 127) of the K row of score r (E8M0 byte e); 1 otherwise."""
+        return pow2_from_e8m0(ksc[r] & T.uint32(0xFF)) if MMA8 else T.float32(1)
+    PACKH_FN, PACKH_SRC = _PACK_SRC["float16"]
+
+    def _or_scales(ksc, vsc, kr_all=None, vr_all=None):
+        """nvfp4: OR of the batch's block-scale words (the zero dependency also holds their loads before the
+        first mma: ptxas sinks them next to their use otherwise); 0 for 16-bit pages."""
+        if MMA8:  # (and the second word of every 8-byte K / V piece)
+            e = ksc[0] | ksc[1] | ksc[2] | ksc[3] | vsc[0] | vsc[1] | vsc[2] | vsc[3]
+            for k_ in range(2 * NSLAB):
+                e = e | kr_all[k_ * 4 + 1]
+            for k_ in range(4 * NQ):
+                e = e | vr_all[k_ * 4 + 1]
+            return e
+        if not MMAQ:
+            return T.uint32(0)
+        return ksc[0] | ksc[1] | vsc[0] | vsc[1] | vsc[2] | vsc[3]
+
+    def _qcol(q, i, g, wi, off):
+        """fp32 Q element off (0: low, 1: high half) of word wi of the staged f16 rows (see the Q staging)."""
+        r, c = wi // (D // 2), wi % (D // 2)
+        if MMA8:  # the natural column order of the 16-bit path
+            col = 2 * c + off
+        else:
+            col = 64 * (c // 4 % 4) + 8 * (c // 16) + c % 4 % 2 + 4 * (c % 4 // 2) + 2 * off
+        return T.Cast("float32", q[i, g * G + T.min(r, G - 1), col])
+
+    def _vw(vr, fd, rr, q0, j):
+        """f16x2 / bf16x2 word j of V row rr, column group q0 (the P.V A fragment's source)."""
+        return fd[rr * 4 + j] if MMAQ or MMA8 else vr[(rr * NQ + q0) * 4 + j]
+
+    def _ocol(j, r):
+        """column (of the lane's 8) of accumulator element r of m tile j."""
+        return j % 2 + 4 * (j // 2) + 2 * r if MMAQ else 2 * j + r
+
+    def _ogrp(q0, gid):
+        """the lane's 8-column group (16-byte unit of a bf16 row) of column group q0."""
+        return 4 * gid + q0 if MMAQ else 8 * q0 + gid
+
     def _ws(i, h, s, n, p):
         """int64 flat index of (token i, q head h, split s) in the workspace (times per-entry size)."""
         return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p)) + T.Cast("int64", s)
 
     @T.macro
-    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov):
+    def quad_running_max(sc, tm, st, k):
+        # mma path: new running max st[k] of the scores sc[0, 1, 4, 5] of the 4 lanes of a group -> tm[0],
+        # rescale factor of the old sums 2^(old - new) -> tm[1]
+        tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
+        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
+        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
+        tm[0] = T.max(tm[0], st[k])
+        tm[1] = T.exp2(st[k] - tm[0])
+        st[k] = tm[0]
+
+    @T.macro
+    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov):
         # the split attend launch (decode, few rows, other page formats) ------------------------------------------
         if MMA:
             # tensor-core path (bf16 / f16 pages of the activation dtype), see the module docstring
@@ -603,10 +851,13 @@ def paged_attention(
                             vr = T.alloc_buffer((4 * NQ * 4,), "uint32", scope="local")
                             sc = T.alloc_buffer((8,), "float32", scope="local")
                             pk = T.alloc_buffer((2,), "uint32", scope="local")
-                            st = T.alloc_buffer((6,), "float32", scope="local")
+                            st = T.alloc_buffer((8,), "float32", scope="local")
                             tm = T.alloc_buffer((4,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((8,), dtype, scope="local")
+                            ksc = T.alloc_buffer((4,), "uint32", scope="local")  # nvfp4 / fp8: scale words
+                            vsc = T.alloc_buffer((4,), "uint32", scope="local")
+                            fd = T.alloc_buffer((4 * 4,), "uint32", scope="local")  # nvfp4: dequantized f16x2
                             mg = T.alloc_buffer((WH * 32 * (NACC + 4),), "float32", scope="shared")
                             qsm4 = T.decl_buffer((2 * QROW, 4), "uint32", data=qsm.data, scope="shared")
                             w = tx // 32
@@ -623,15 +874,24 @@ def paged_attention(
                             # conflicts), rows G..7 zero; read as mma fragments in the loop
                             for e in range((8 * D // 2 + NT - 1) // NT):
                                 if e * NT + tx < 8 * D // 2:
-                                    qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
-                                        (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
-                                            (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
-                                        T.uint32(0))
+                                    if MMAQ or MMA8:
+                                        # f16 pairs in the k order of the nvfp4 fragments: word k of 16-byte unit
+                                        # 4 s0 + t holds columns c + PERM[k], c = 64 t + 8 s0
+                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                            (e * NT + tx) // (D // 2) < G, T.cuda.func_call(
+                                                PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 1),
+                                                source_code=PACKH_SRC, return_type="uint32"), T.uint32(0))
+                                    else:
+                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                            (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
+                                                (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
+                                            T.uint32(0))
                             T.tvm_storage_sync("shared")
                             with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS):
                                 # __launch_bounds__(NT, 8 warps / W): without a minimum ptxas caps the registers
                                 # lower and sinks the batch's loads next to their mma (a round trip each)
                                 st[0] = T.float32(neg_big)  # running max of head gid (base 2)
+                            st[6] = T.float32(neg_big)  # fp8: running max of score + V row exponent
                             st[1] = T.float32(0)  # running sum of head gid (this lane's positions)
                             for a in T.unroll(NACC):
                                 acc[a] = T.float32(0)
@@ -639,33 +899,82 @@ def paged_attention(
                                 t0 = (c_lo + w + ci * W) * CHUNK
                                 page = pt[row, t0 // PS]
                                 rb[0] = (T.Cast("int64", page) * n_layers + T.Cast("int64", layer)) * (
-                                    2 * n_kv * PS * RBW) + T.Cast("int64", g) * (PS * RBW)
+                                    2 * n_kv * PS * RBX) + T.Cast("int64", g) * (PS * RBX)
                                 for bt in range(CHUNK // 16):
                                     if t0 + bt * 16 < L:
-                                        # -- K rows gid (tile 0) and 8 + gid (tile 1), 16 bytes per 32-column slab
-                                        # (volatile asm loads: all 16 are issued before the first mma)
-                                        for tile in T.unroll(2):
-                                            for s0 in T.unroll(NSLAB):
-                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * NSLAB + s0) * 4]),
-                                                    T.address_of(poolw[
-                                                        rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                            tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
-                                                        + T.Cast("int64", 4 * s0 + tig), 0]), source_code=LD_SRC))
-                                        # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9; columns 64q + 8gid + 0..7
-                                        for rr in T.unroll(4):
-                                            for q0 in T.unroll(NQ):
-                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[(rr * NQ + q0) * 4]),
+                                        if MMA8:
+                                            # -- fp8 (rows of D + 4 bytes: 4-byte loads): the 16-bit path's columns,
+                                            # K rows gid, 8 + gid: 8 codes per 32-column slab (two words)
+                                            for tile in T.unroll(2):
+                                                for s0 in T.unroll(NSLAB):
+                                                    for u in T.unroll(2):
+                                                        kr[(tile * NSLAB + s0) * 4 + u] = poolu[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBU
+                                                            + T.Cast("int64", 8 * s0 + 2 * tig + u)]
+                                                # the row exponents of this lane's score positions tile * 8 + 2 tig + r
+                                                for r in T.unroll(2):
+                                                    ksc[tile * 2 + r] = poolu[rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                        tile * 8 + 2 * tig + r, L - 1 - t0 - bt * 16)) * RBU + T.Cast("int64", D // 4)]
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9: columns 64 q + 8 gid + 0..7, exponents
+                                            for rr in T.unroll(4):
+                                                for q0 in T.unroll(NQ):
+                                                    for u in T.unroll(2):
+                                                        vr[(rr * NQ + q0) * 4 + u] = poolu[
+                                                            rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                                2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBU
+                                                            + T.Cast("int64", 16 * q0 + 2 * gid + u)]
+                                                vsc[rr] = poolu[rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                    2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBU
+                                                    + T.Cast("int64", D // 4)]
+                                        elif MMAQ:
+                                            # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
+                                            # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
+                                            for tile in T.unroll(2):
+                                                for u in T.unroll(2):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * 2 + u) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 2 * tig + u), 0]), source_code=LD_SRC))
+                                                ksc[tile] = poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                    tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4 + T.Cast("int64", D // 8 + tig)]
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9: code bytes 16 gid .. +15 (word q0 =
+                                            # columns 32 gid + 8 q0 + 0..7), the scale pair of blocks 2 gid, 2 gid + 1
+                                            for rr in T.unroll(4):
+                                                T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[rr * 4]),
                                                     T.address_of(poolw[
                                                         rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
                                                             2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW
-                                                        + T.Cast("int64", 8 * q0 + gid), 0]), source_code=LD_SRC))
+                                                        + T.Cast("int64", gid), 0]), source_code=LD_SRC))
+                                                vsc[rr] = poolu[(rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                    2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW) * 4
+                                                    + T.Cast("int64", D // 8 + gid // 2)] >> T.Cast("uint32", 16 * (gid % 2))
+                                        else:
+                                            # -- K rows gid (tile 0) and 8 + gid (tile 1), 16 bytes per 32-column slab
+                                            # (volatile asm loads: all 16 are issued before the first mma)
+                                            for tile in T.unroll(2):
+                                                for s0 in T.unroll(NSLAB):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * NSLAB + s0) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 4 * s0 + tig), 0]), source_code=LD_SRC))
+                                            # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9; columns 64q + 8gid + 0..7
+                                            for rr in T.unroll(4):
+                                                for q0 in T.unroll(NQ):
+                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(vr[(rr * NQ + q0) * 4]),
+                                                        T.address_of(poolw[
+                                                            rb[0] + T.Cast("int64", n_kv * PS + (t0 + bt * 16) % PS + T.min(
+                                                                2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBW
+                                                            + T.Cast("int64", 8 * q0 + gid), 0]), source_code=LD_SRC))
                                         # -- S = Q K^T: rows = heads, columns = 8 positions per tile
                                         # scores start at +0.0 computed from a word of every K and V vector of the
                                         # batch ANDed with a runtime zero (layer >> 30): ptxas must then issue all 32
                                         # loads before the first mma (otherwise it sinks some past the mma, and the
                                         # warp stalls on K before it requests the rest: two round trips per batch)
                                         tm[0] = T.reinterpret("float32", T.Cast("uint32", T.shift_right(layer, 30)) & (
-                                            _or_words(vr, 4 * NQ) | _or_words(kr, 2 * NSLAB)))
+                                            _or_words(vr, NVLD) | _or_words(kr, NKLD) | _or_scales(ksc, vsc, kr, vr)))
                                         for r in T.unroll(8):
                                             sc[r] = tm[0]
                                         for s0 in T.unroll(NSLAB):
@@ -673,28 +982,59 @@ def paged_attention(
                                             for e in T.vectorized(4):
                                                 qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
                                             for tile in T.unroll(2):
-                                                for hk in T.unroll(2):
+                                                if MMA8:
+                                                    for j in T.unroll(4):
+                                                        fd[j] = T.cuda.func_call(
+                                                            E4M3X2_F16X2_FN, kr[(tile * NSLAB + s0) * 4 + j // 2] >> T.Cast(
+                                                                "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
+                                                            return_type="uint32")
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                            source_code=MMA_SRC))
+                                                elif MMAQ:
+                                                    # word s0 of the row: 8 codes, scale byte s0 // 2 of the lane's 4
                                                     T.evaluate(T.cuda.func_call(
-                                                        MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
-                                                        qf[2 * hk + 1], T.uint32(0),
-                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk],
-                                                        kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
+                                                        NVFP4_F16X8_FN, T.address_of(fd[0]), kr[tile * 8 + s0],
+                                                        T.cuda.func_call(E4M3_F16X2_FN, ksc[tile] >> T.Cast("uint32", 8 * (s0 // 2)),
+                                                                         source_code=E4M3_F16X2_SRC, return_type="uint32"),
+                                                        source_code=NVFP4_F16X8_SRC))
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                            source_code=MMA_SRC))
+                                                else:
+                                                    for hk in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(
+                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                            qf[2 * hk + 1], T.uint32(0),
+                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk],
+                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
                                         # -- online softmax of head gid over the 16 positions (4 per lane)
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.Select(
                                                     T.And(gid < G, t0 + bt * 16 + tile * 8 + 2 * tig + r < L),
-                                                    sc[tile * 4 + r] * T.float32(scale2), T.float32("-inf"))
-                                        tm[0] = T.max(T.max(sc[0], sc[1]), T.max(sc[4], sc[5]))
-                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 1, 32, 32))
-                                        tm[0] = T.max(tm[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), tm[0], 2, 32, 32))
-                                        tm[0] = T.max(tm[0], st[0])
-                                        tm[1] = T.exp2(st[0] - tm[0])
-                                        st[0] = tm[0]
+                                                    sc[tile * 4 + r] * T.float32(scale2) * _kexp(ksc, tile * 2 + r),
+                                                    T.float32("-inf"))
+                                        quad_running_max(sc, tm, st, 0)
+                                        if MMA8:
+                                            # the denominator from 2^(s - m); the P.V weights 2^(s + e - mv) (e: V row
+                                            # exponent, mv: running max of s + e), so that P in f16 stays in [0, 1]
+                                            st[1] = st[1] * tm[1] + ((T.exp2(sc[0] - tm[0]) + T.exp2(sc[1] - tm[0]))
+                                                                     + (T.exp2(sc[4] - tm[0]) + T.exp2(sc[5] - tm[0])))
+                                            for tile in T.unroll(2):
+                                                for r in T.unroll(2):
+                                                    sc[tile * 4 + r] = sc[tile * 4 + r] + T.Cast("float32", T.Cast(
+                                                        "int32", vsc[tile * 2 + r] & T.uint32(0xFF)) - 127)
+                                            quad_running_max(sc, tm, st, 6)
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.exp2(sc[tile * 4 + r] - tm[0])
-                                        st[1] = st[1] * tm[1] + ((sc[0] + sc[1]) + (sc[4] + sc[5]))
+                                        if not MMA8:
+                                            st[1] = st[1] * tm[1] + ((sc[0] + sc[1]) + (sc[4] + sc[5]))
                                         pk[0] = T.cuda.func_call(PACK_FN, sc[0], sc[1], source_code=PACK_SRC,
                                                                  return_type="uint32")
                                         pk[1] = T.cuda.func_call(PACK_FN, sc[4], sc[5], source_code=PACK_SRC,
@@ -706,18 +1046,41 @@ def paged_attention(
                                             acc[a] = acc[a] * tm[2 + a % 2]
                                         # -- O^T += V^T P^T: rows = columns of V, columns = heads
                                         for q0 in T.unroll(NQ):
+                                            if MMA8:
+                                                for rr in T.unroll(4):
+                                                    for j in T.unroll(4):
+                                                        fd[rr * 4 + j] = T.cuda.func_call(
+                                                            E4M3X2_F16X2_FN, vr[(rr * NQ + q0) * 4 + j // 2] >> T.Cast(
+                                                                "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
+                                                            return_type="uint32")
+                                            if MMAQ:
+                                                # word q0 of the 4 V rows as f16x2 (columns 32 gid + 8 q0 + PERM[j])
+                                                for rr in T.unroll(4):
+                                                    T.evaluate(T.cuda.func_call(
+                                                        NVFP4_F16X8_FN, T.address_of(fd[rr * 4]), vr[rr * 4 + q0],
+                                                        T.cuda.func_call(E4M3_F16X2_FN, vsc[rr] >> T.Cast("uint32", 8 * (q0 // 2)),
+                                                                         source_code=E4M3_F16X2_SRC, return_type="uint32"),
+                                                        source_code=NVFP4_F16X8_SRC))
                                             for j in T.unroll(4):
                                                 T.evaluate(T.cuda.func_call(
                                                     MMA_FN, T.address_of(acc[(q0 * 4 + j) * 4]),
-                                                    (vr[(0 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
-                                                    | (vr[(1 * NQ + q0) * 4 + j] << T.uint32(16)),
-                                                    (vr[(0 * NQ + q0) * 4 + j] >> T.uint32(16))
-                                                    | (vr[(1 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
-                                                    (vr[(2 * NQ + q0) * 4 + j] & T.uint32(0xFFFF))
-                                                    | (vr[(3 * NQ + q0) * 4 + j] << T.uint32(16)),
-                                                    (vr[(2 * NQ + q0) * 4 + j] >> T.uint32(16))
-                                                    | (vr[(3 * NQ + q0) * 4 + j] & T.uint32(0xFFFF0000)),
+                                                    (_vw(vr, fd, 0, q0, j) & T.uint32(0xFFFF))
+                                                    | (_vw(vr, fd, 1, q0, j) << T.uint32(16)),
+                                                    (_vw(vr, fd, 0, q0, j) >> T.uint32(16))
+                                                    | (_vw(vr, fd, 1, q0, j) & T.uint32(0xFFFF0000)),
+                                                    (_vw(vr, fd, 2, q0, j) & T.uint32(0xFFFF))
+                                                    | (_vw(vr, fd, 3, q0, j) << T.uint32(16)),
+                                                    (_vw(vr, fd, 2, q0, j) >> T.uint32(16))
+                                                    | (_vw(vr, fd, 3, q0, j) & T.uint32(0xFFFF0000)),
                                                     pk[0], pk[1], source_code=MMA_SRC))
+                            if MMA8:
+                                # acc holds sum 2^(s + e - mv) v: back to the 2^(s - m) scale of the sums
+                                for hb in T.unroll(2):
+                                    tm[2 + hb] = T.exp2(
+                                        T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[6], 8 * tig + 4 * hb, 32, 32)
+                                        - T.tvm_warp_shuffle(T.uint32(0xFFFFFFFF), st[0], 8 * tig + 4 * hb, 32, 32))
+                                for a in T.unroll(NACC):
+                                    acc[a] = acc[a] * tm[2 + a % 2]
                             # row sums over the quad, then (max, sum) of heads 2tig, 2tig+1 into st[2..5]
                             st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 1, 32, 32)
                             st[1] = st[1] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[1], 2, 32, 32)
@@ -751,20 +1114,21 @@ def paged_attention(
                                         if _nsplit(n, p) == 1:
                                             for q0 in T.unroll(NQ):
                                                 for j in T.unroll(4):
-                                                    ob[2 * j] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + hb] / st[3 + 2 * hb])
-                                                    ob[2 * j + 1] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + 2 + hb] / st[3 + 2 * hb])
+                                                    for r in T.unroll(2):
+                                                        ob[_ocol(j, r)] = T.Cast(dtype, acc[(q0 * 4 + j) * 4 + 2 * r + hb]
+                                                                                 / st[3 + 2 * hb])
                                                 for e in T.vectorized(8):
                                                     outv[(T.Cast("int64", i) * n_heads + g * G + 2 * tig + hb) * (D // 8)
-                                                         + 8 * q0 + gid, e] = ob[e]
+                                                         + _ogrp(q0, gid), e] = ob[e]
                                         else:
                                             for q0 in T.unroll(NQ):
                                                 for j in T.unroll(4):
                                                     for r in T.unroll(2):
-                                                        sc[2 * j + r] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
+                                                        sc[_ocol(j, r)] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
                                                 for v0 in T.unroll(8 // CVEC):
                                                     for e in T.vectorized(CVEC):
                                                         ws_ov[_ws(i, g * G + 2 * tig + hb, s, n, p) * (D // CVEC)
-                                                              + T.Cast("int64", (64 * q0 + 8 * gid) // CVEC + v0), e] = sc[
+                                                              + T.Cast("int64", 8 * _ogrp(q0, gid) // CVEC + v0), e] = sc[
                                                             v0 * CVEC + e]
                                             if gid == 0:
                                                 ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2] = st[2 + 2 * hb]
@@ -783,6 +1147,7 @@ def paged_attention(
                             part = T.alloc_buffer((G * QB,), "float32", scope="local")
                             raw = T.alloc_buffer((2 * QB * RW,), RAW_DT, scope="local")
                             sf = T.alloc_buffer((2 * QB * NSB,), "float32", scope="local")
+                            xv = T.alloc_buffer((DL,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((DL,), dtype, scope="local")
                             mg = T.alloc_buffer((WH * G * D,), "float32", scope="shared")
@@ -834,17 +1199,20 @@ def paged_attention(
                                                         (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB), D]))
                                                 if MODE == "nvfp4v":
                                                     for eb in T.unroll(NSB):
-                                                        sf[(c * QB + j) * NSB + eb] = e4m3_decode_abs(T.Cast("uint32", pool[
+                                                        # half the block scale: the codes decode to twice their value
+                                                        sf[(c * QB + j) * NSB + eb] = _e4m3_value(T.Cast("uint32", pool[
                                                             page, layer, c, g,
                                                             (t0 + bt * QB) % PS + T.min(j, L - 1 - t0 - bt * QB),
-                                                            half + (lane * DL) // NVFP4_BLOCK + eb]))
+                                                            half + (lane * DL) // NVFP4_BLOCK + eb]) & _u32(0x7F)) * T.float32(0.5)
                                         # -- partial dot products over the lane's columns
+                                        # (each element decoded once into xv, then used by every head)
                                         for j in T.unroll(QB):
+                                            for e in T.unroll(DL):
+                                                xv[e] = elem(raw, sf, 0, j, e)
                                             for h in T.unroll(G):
                                                 part[h * QB + j] = T.float32(0)
                                                 for e in T.unroll(DL):
-                                                    part[h * QB + j] = part[h * QB + j] + qr[h * DL + e] * elem(
-                                                        raw, sf, 0, j, e)
+                                                    part[h * QB + j] = part[h * QB + j] + qr[h * DL + e] * xv[e]
                                         # -- transposing butterfly: halve the positions on lane bits 16, 8, ...
                                         for st in T.unroll(NH):
                                             for h in T.unroll(G):
@@ -884,9 +1252,10 @@ def paged_attention(
                                                 part[h * QB + j] = T.tvm_warp_shuffle(
                                                     T.uint32(0xFFFFFFFF), pr[h], j << SH, 32, 32)
                                             for e in T.unroll(DL):
+                                                xv[e] = elem(raw, sf, 1, j, e)
+                                            for e in T.unroll(DL):
                                                 for h in T.unroll(G):
-                                                    acc[h * DL + e] = acc[h * DL + e] + part[h * QB + j] * elem(
-                                                        raw, sf, 1, j, e)
+                                                    acc[h * DL + e] = acc[h * DL + e] + part[h * QB + j] * xv[e]
                             # row sums: lanes of one position group hold equal partials
                             for h in T.unroll(G):
                                 for st in T.unroll(NH):
@@ -951,6 +1320,7 @@ def paged_attention(
         out = T.match_buffer(var_out, (n, n_heads, head_dim), dtype)
         poolv = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBV), VEC), pool_dt, data=pool.data)
         poolw = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBW), 4), "uint32", data=pool.data)
+        poolu = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBU),), "uint32", data=pool.data)
         qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
         outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
         ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
@@ -1027,9 +1397,9 @@ def paged_attention(
                                     T.address_of(out[0, 0, 0]), T.Cast("int32", n), T.Cast("int32", p), layer,
                                     smem.data, source_code=PF_SRC))
             else:
-                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
+                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         else:
-            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, qw1, outv, ws_ml, ws_ov)
+            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         # ---- 3. combine split partials -------------------------------------------------------------
         # block (token, q head), CW warps. Every warp reads all (max, sum) pairs (lane-strided,
         # registers), reduces max and denominator with shuffles; warp 0 stores the split weights

@@ -20,6 +20,7 @@ GEO_TINY = (4, 2, 32)
 GEO_SMALL = (8, 2, 64)  # G = 4, D = 64: the smallest geometry of the prefill (FlashAttention-2) path
 QUANT = ("fp8", "nvfp4")
 FP8_ROW_PAD = 4
+QPOOL_PAGES = 128  # distinct packed pages of a quantized test pool (larger pools repeat them)
 NVFP4_BLOCK = 16
 
 # kernel functions: tag -> (geometry, activation dtype, kv dtype or None)
@@ -33,6 +34,7 @@ FUNCS = {
     "fp8tiny": (GEO_TINY, "float32", "fp8"),
     "nvfp4tiny": (GEO_TINY, "bfloat16", "nvfp4"),
     "bf16small": (GEO_SMALL, "bfloat16", None),
+    "nvfp4small": (GEO_SMALL, "bfloat16", "nvfp4"),
 }
 
 
@@ -82,6 +84,16 @@ CASES = [
     ("emu_bf16small_pf", "bf16small", [(70, 33), (0, 31), (5, 9), (130, 3)], False, True),
     ("emu_bf16_pf_long", "bf16", [(333, 77), (64, 64)], False, True),
     ("emu_f16_pf", "f16", [(20, 70)], False, True),
+    # quantized pages: the prefill path dequantizes K/V tiles into its bf16 shared tiles
+    ("emu_fp8_pf", "fp8", [(40, 30), (0, 21), (100, 19)], False, True),
+    ("emu_nvfp4_pf", "nvfp4", [(40, 30), (0, 21), (100, 19)], False, True),
+    ("emu_nvfp4small_pf", "nvfp4small", [(70, 33), (0, 31), (5, 9)], False, True),
+    # quantized pages at long context (decode: nvfp4 on tensor cores, fp8 on the SIMT split path; prefill: the
+    # FlashAttention-2 launch with dequantized tiles), beside the bf16 cases of the same shapes
+    *[(f"{kv}_dec_b{b}_{k}k", kv, _dec(b, k * 1024), True, False) for kv in QUANT for b, k in ((1, 8), (1, 32), (4, 32), (1, 128))],
+    *[(f"{kv}_pf_{name}", kv, rows, True, False) for kv in QUANT for name, rows in (
+        ("2k", [(0, 2048)]), ("8k", [(0, 8192)]), ("2k_after_30k", [(30720, 2048)]))],
+    ("bf16_pf_2k_after_30k", "bf16", [(30720, 2048)], True, False),
 ]
 
 
@@ -193,15 +205,17 @@ def case_qkv(m: dict):
 
 def quant_pool(m: dict) -> np.ndarray:
     """Initial pool of a quantized case (numpy, host): packed Gaussian rows of varied scale in the
-    layer the call uses, random bytes in the other one (never read)."""
+    layer the call uses, random bytes in the other one (never read). Pools of more than QPOOL_PAGES
+    pages repeat the packed rows of the first QPOOL_PAGES (the numpy codecs pack ~10 M elements/s: a
+    128k-context pool would take a minute)."""
     hq, hkv, d = m["geo"]
     rng = np.random.default_rng(m["seed"] + 2)
     pool = rng.integers(0, 256, (m["npages"], LAYERS, 2, hkv, PAGE, row_bytes(m["kv"], d)), dtype=np.uint8)
-    shape = (m["npages"], 2, hkv, PAGE)
+    shape = (min(m["npages"], QPOOL_PAGES), 2, hkv, PAGE)
     x = rng.standard_normal(shape + (d,)).astype(np.float32)
     x *= np.exp(rng.uniform(-3, 3, shape + (1,))).astype(np.float32)
     x[..., :3, :] *= np.float32(2.0)  # a few larger rows per page
-    pool[:, LAYER] = pack_rows(x, m["kv"], d)
+    pool[:, LAYER] = pack_rows(x, m["kv"], d)[np.arange(m["npages"]) % shape[0]]
     return pool
 
 
@@ -244,12 +258,30 @@ def reference(m: dict, q, pool_after, pos, tseq, pt, torch_dev=None):
     group = hq // hkv
     out = np.zeros((len(pos), hq, d))
     is_t = not isinstance(pool_after, np.ndarray)
+    deq = {}  # quantized pool: sequence -> its K, V rows dequantized once (float64; torch on the GPU run)
     for i in range(len(pos)):
         L = int(pos[i]) + 1
         j = np.arange(L)
         pg = pt[tseq[i], j // PAGE]
         sl = j % PAGE
-        if is_t:
+        if not is_t and m["quant"]:
+            r = int(tseq[i])
+            if r not in deq:
+                jj = np.arange(int(pos[tseq == r].max()) + 1)
+                pgs, sls = pt[r, jj // PAGE], jj % PAGE
+                kv_ = [unpack_rows(pool_after[:, LAYER, c][pgs, :, sls], m["kv"], d).astype(np.float64) for c in (0, 1)]
+                if torch_dev is not None:
+                    import torch
+
+                    kv_ = [torch.as_tensor(x, device=torch_dev) for x in kv_]
+                deq[r] = kv_
+            K, V = deq[r]
+            qi = np.asarray(q[i], np.float64)
+            if torch_dev is not None:
+                qi = torch.as_tensor(qi, device=torch_dev)
+            o = _attend(qi, K[:L], V[:L], group, m["scale"])
+            out[i] = o.cpu().numpy() if torch_dev is not None else o
+        elif is_t:
             import torch
 
             pgt = torch.as_tensor(pg, device=pool_after.device, dtype=torch.long)

@@ -212,7 +212,7 @@ template <int F16> static void emu_mma(float* c, unsigned a0, unsigned a1, unsig
 }
 """
 
-# compile/kernels/cuda/attention.py (_MMA_SRC, LD_SRC, _PACK_SRC, LDSM_SRC, CP_SRC)
+# compile/kernels/cuda/attention.py (_MMA_SRC, LD_SRC, _PACK_SRC, LDSM_SRC, CP_SRC; the fp8 / nvfp4 converters)
 ATTENTION = r"""
 static void ninfer_attn_mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
   emu_mma<0>(c, a0, a1, a2, a3, b0, b1);
@@ -264,6 +264,36 @@ static unsigned ninfer_attn_pack_f16x2(float lo, float hi) {
   _Float16 a = (_Float16)lo, b = (_Float16)hi;
   uint16_t x, y; memcpy(&x, &a, 2); memcpy(&y, &b, 2);
   return (unsigned)x | ((unsigned)y << 16);
+}
+// ---- qattn: fp8 / nvfp4 pages on tensor cores (compile/kernels/cuda/attention.py NVFP4_F16X8_SRC, E4M3*_F16X2_SRC, H2F_SRC)
+static unsigned ninfer_attn_e4m3_f16x2(unsigned b) {  // cvt.rn.f16x2.e4m3x2 of the byte pair (b, b)
+  b &= 0xFFu;
+  const unsigned e = (b >> 3) & 15u, m = b & 7u;
+  float v = e ? ldexpf(1.0f + (float)m / 8.0f, (int)e - 7) : ldexpf((float)m, -9);
+  if (b & 0x80u) v = -v;
+  _Float16 h = (_Float16)v;
+  uint16_t u; memcpy(&u, &h, 2);
+  return (unsigned)u * 0x10001u;
+}
+static float ninfer_attn_h2f(unsigned h) { return emu_h2f_f16((uint16_t)(h & 0xFFFFu)); }  // cvt.f32.f16
+static unsigned ninfer_attn_e4m3x2_f16x2(unsigned w) {  // cvt.rn.f16x2.e4m3x2 of the low 16 bits
+  const unsigned lo = ninfer_attn_e4m3_f16x2(w & 0xFFu), hi = ninfer_attn_e4m3_f16x2((w >> 8) & 0xFFu);
+  return (lo & 0xFFFFu) | (hi & 0xFFFF0000u);
+}
+static void ninfer_attn_nvfp4_f16x8(unsigned* d, unsigned w, unsigned s2) {  // pairs (0,2) (1,3) (4,6) (5,7) x scale
+  static const float mag[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  static const int first[4] = {0, 1, 4, 5};
+  uint16_t sb = (uint16_t)(s2 & 0xFFFFu); _Float16 s; memcpy(&s, &sb, 2);
+  for (int k = 0; k < 4; ++k) {
+    unsigned r = 0;
+    for (int hh = 0; hh < 2; ++hh) {
+      const unsigned c = (w >> (4 * (first[k] + 2 * hh))) & 15u;
+      _Float16 x = (_Float16)((c & 8u ? -mag[c & 7u] : mag[c & 7u]) * (float)s);  // exact product, one rounding
+      uint16_t u; memcpy(&u, &x, 2);
+      r |= (unsigned)u << (16 * hh);
+    }
+    d[k] = r;
+  }
 }
 """
 
