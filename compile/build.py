@@ -189,7 +189,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         from .dflash.build import compile_drafter
 
         return compile_drafter(model_dir, target=target, quant=quant, out_dir=out_dir, name=name,
-                               random_weights=random_weights, log=log)
+                               random_weights=random_weights, max_prefill_chunk=max_prefill_chunk, log=log)
     cfg = load_config(model_dir)
     taps = parse_tap_layers(tap_layers, cfg.num_hidden_layers) if tap_layers is not None else ()
     vcfg = load_vision_config(model_dir) if vision else None

@@ -33,13 +33,14 @@ ROW_VAR = "n"
 CHUNK_FUNCTIONS = ("prefill", "prefill_h", "prefill_t", "prefill_mm", "mtp_prefill")
 
 
-def bound_chunk_rows(mod: tvm.IRModule, max_rows: int) -> tvm.IRModule:
-    """Attach the row bound (and output planning) to every chunk function of the module."""
+def bound_chunk_rows(mod: tvm.IRModule, max_rows: int, functions: tuple = CHUNK_FUNCTIONS) -> tvm.IRModule:
+    """Attach the row bound (and output planning) to the module's chunk functions (those named in functions;
+    a DFlash drafter's `ctx`, which takes a prefill chunk's tap rows, is bounded the same way)."""
     if int(max_rows) < 1:
         raise ValueError(f"max_rows must be positive, got {max_rows}")
     mod = mod.clone()
     for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function) and gv.name_hint in CHUNK_FUNCTIONS:
+        if isinstance(func, relax.Function) and gv.name_hint in functions:
             mod[gv] = func.with_attrs({"tir_var_upper_bound": {ROW_VAR: int(max_rows)},
                                        "relax.memory_plan_dynamic_func_output": True})
     return mod

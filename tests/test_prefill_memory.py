@@ -8,7 +8,9 @@ compiled maximum, reused for every length.
 from __future__ import annotations
 
 import gc
+import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -50,7 +52,7 @@ def test_distinct_prefill_lengths_do_not_grow_memory(harness):
     assert grown < 12, f"RSS grew {grown:.1f} MiB over 12 distinct prefill lengths"
 
 
-def test_row_bound_is_enforced(harness):
+def test_row_bound_is_enforced(harness, tmp_path):
     bound = harness.max_prefill_chunk
     assert bound == 2048  # the default model carries the compiled bound
     seq = harness.new_seq()
@@ -63,3 +65,11 @@ def test_row_bound_is_enforced(harness):
     assert prefill_chunk_for(EngineConfig(prefill_chunk=bound), harness.runner) == bound
     with pytest.raises(ConfigError, match="prefill_chunk"):
         prefill_chunk_for(EngineConfig(prefill_chunk=bound + 1), harness.runner)
+    # a draft model compiled for smaller chunks caps the engine's chunk too
+    draft = shutil.copytree(default_model_dir(), tmp_path / "draft")
+    m = json.loads((draft / "manifest.json").read_text())
+    m["extras"]["max_prefill_chunk"] = 256
+    (draft / "manifest.json").write_text(json.dumps(m))
+    assert prefill_chunk_for(EngineConfig(draft_model=str(draft)), harness.runner) == 256
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        prefill_chunk_for(EngineConfig(prefill_chunk=300, draft_model=str(draft)), harness.runner)
