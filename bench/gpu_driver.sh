@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check bench spec specforced dflash vision moe sass hf serve agent
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve agent
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -32,6 +32,7 @@ for step in "$@"; do
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
     sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
+    mem) run mem 300 python3 bench/prefill_memory.py ${MEM_ART:-${PREP:-.gpu/prep}/tiny-bf16} --device cuda --lengths ${MEM_LENGTHS:-30} ${MEM_ARGS:-} ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json --skip-forced ;;
     specforced) [ -d .gpu/spec/q27b-taps ] && run specforced 560 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;

@@ -16,6 +16,7 @@ from . import libcache
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .lib_build import build_cached
+from .memory_bounds import DEFAULT_MAX_ROWS, bound_chunk_rows
 from .model import PAGE_SIZE, Qwen3xForCausalLM
 from .progress import SILENT, Progress
 from .rope_scaling import RopeSpec, inv_freq_and_attention_factor
@@ -73,13 +74,16 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
-                  fp4_mma: bool = False, multimodal: bool = False, tap_layers: tuple = ()) -> list:
+                  fp4_mma: bool = False, multimodal: bool = False, tap_layers: tuple = (),
+                  max_rows: int = DEFAULT_MAX_ROWS) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
     (compile/kernels/cuda/fp4_mma.py; cuda:sm_120 + weight_quant nvfp4 only).
     multimodal: also compile prefill_mm / decode_mrope (checkpoints with a vision tower).
     tap_layers: also export prefill_t / verify_t for a DFlash drafter (compile/model.py).
+    max_rows: the most rows a prefill-chunk function takes per call; their memory is planned for it
+    (compile/memory_bounds.py).
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (compile/libcache.py; the test suite does).
     """
@@ -89,7 +93,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     if fp4_mma and not fp4_mma_default(target, weight_quant):
         raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
     key = libcache.library_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, weight_quant, fp4_mma, multimodal,
-                                tap_layers)
+                                tap_layers, max_rows)
 
     def export():
         # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
@@ -100,6 +104,7 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
         mod, pspec = model.export_tvm(spec=model.export_spec())
         with arch_scope:  # the sampler kernels read the arch's schedule file like the model's
             mod = add_device_sampler(mod, cfg.vocab_size, target.kind)
+        mod = bound_chunk_rows(mod, max_rows)
         return mod, [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
 
     return build_cached(target, lib_path, key, export)
@@ -128,7 +133,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
                   random_weights: int | None = None, vision: bool = True, tap_layers: str | list | None = None,
-                  log=print, progress: Progress = SILENT) -> Path:
+                  max_prefill_chunk: int | None = None, log=print, progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
@@ -139,6 +144,9 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     ("5,19,33") or a drafter directory (its target_layer_ids); None: no tap functions.
     A DFlash / DFlash2 drafter directory (config.json architectures DFlashDraftModel / DFlash2DraftModel)
     compiles as a drafter artifact instead (compile/dflash/build.py).
+    max_prefill_chunk: the most tokens one prefill call takes (default DEFAULT_MAX_ROWS); the chunk
+    functions' memory is planned for it once (compile/memory_bounds.py) and the engine's prefill_chunk may
+    not exceed it (manifest extras.max_prefill_chunk).
     progress: bars for the library build, the weight conversion and the shard writes."""
     model_dir = Path(model_dir)
     from .dflash.config import is_drafter_config, parse_tap_layers, read_raw_config
@@ -151,7 +159,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         from .dflash.build import compile_drafter
 
         return compile_drafter(model_dir, target=target, quant=quant, out_dir=out_dir, name=name,
-                               random_weights=random_weights, log=log)
+                               random_weights=random_weights, max_prefill_chunk=max_prefill_chunk, log=log)
     cfg = load_config(model_dir)
     taps = parse_tap_layers(tap_layers, cfg.num_hidden_layers) if tap_layers is not None else ()
     vcfg = load_vision_config(model_dir) if vision else None
@@ -182,6 +190,9 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     max_context = int(max_context or min(limit, cfg.max_position_embeddings))
     if max_context < 1:
         raise ConfigError("--max-context must be positive")
+    max_rows = int(DEFAULT_MAX_ROWS if max_prefill_chunk is None else max_prefill_chunk)
+    if max_rows < 1:
+        raise ConfigError("--max-prefill-chunk must be positive")
     if max_context > limit:
         raise ConfigError(f"--max-context {max_context} exceeds what the rope setup supports ({limit}); "
                           "raise --rope-scaling-factor")
@@ -207,7 +218,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         vcfg = None  # a VLM config whose checkpoint was saved text-only (or a text-only benchmark artifact)
     with progress.step(f"build {tspec.name} library"):
         specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps)
+                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps, max_rows=max_rows)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -240,6 +251,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
                 "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION,
+                "max_prefill_chunk": max_rows,
                 **({"tap_layers": list(taps)} if taps else {}),
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
                 **({"vision": vision_section} if vision_section else {})},

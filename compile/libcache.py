@@ -76,11 +76,14 @@ def build_key(parts: list, target: TargetSpec) -> str:
 
 
 def library_key(cfg: ModelConfig, dtype: str, target: TargetSpec, kv_dtype: str, kv_hadamard: bool, mtp: bool,
-                weight_quant: str | None, fp4_mma: bool, multimodal: bool = False, tap_layers: tuple = ()) -> str:
+                weight_quant: str | None, fp4_mma: bool, multimodal: bool = False, tap_layers: tuple = (),
+                max_rows: int | None = None) -> str:
     """Key of a model library (compile/build.py). The MTP head is compiled only when the checkpoint has it,
-    the DFlash taps (prefill_t / verify_t) only for tap_layers."""
+    the DFlash taps (prefill_t / verify_t) only for tap_layers; max_rows: the prefill-chunk row bound the
+    memory is planned for (compile/memory_bounds.py)."""
     geo = {k: v for k, v in cfg.to_dict().items() if k not in ("bos_token_id", "eos_token_id", "architecture", "family", "rope")}
     parts = [geo, dtype, kv_dtype, kv_hadamard] + (["mtp"] if mtp else []) + ([["taps", list(tap_layers)]] if tap_layers else [])
+    parts += [["rows", int(max_rows)]] if max_rows is not None else []
     return (build_key(parts, target)
             + (f"-{weight_quant}" if weight_quant else "") + ("-fp4mma" if fp4_mma else "") + ("-mm" if multimodal else ""))
 

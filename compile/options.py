@@ -51,6 +51,10 @@ class CompileOptions:
                                               metavar="F", default_text="config.json's")
     rope_scaling_original_context: Optional[int] = _f(None, "the context the model was trained for", metavar="TOKENS",
                                                       default_text="config.json's")
+    max_prefill_chunk: Optional[int] = _f(None, "the most tokens one prefill call takes: the prefill functions' memory is "
+                                                "planned once for it (a fixed footprint instead of a pool that grows "
+                                                "with every distinct chunk length); `ninfer serve --prefill-chunk` "
+                                                "may not exceed it", metavar="TOKENS", default_text="2048")
     tap_layers: Optional[str] = _f(None, "for --spec dflash|dflash2: also compile prefill_t / verify_t, which return the "
                                          "outputs of these decoder layers (comma-separated ids, or a DFlash drafter "
                                          "directory: its target_layer_ids). A DFlash drafter directory given as MODEL "
@@ -69,6 +73,7 @@ class CompileOptions:
         """Keyword arguments of compile.build.compile_model (after `resolved()`)."""
         return {"target": self.target, "quant": self.quant, "kv_dtype": self.kv_dtype, "max_context": self.max_context,
                 "kv_hadamard": self.kv_hadamard, "fp4_mma": self.fp4_mma, "tap_layers": self.tap_layers,
+                "max_prefill_chunk": self.max_prefill_chunk,
                 "rope_overrides": {"scaling_type": self.rope_scaling_type, "factor": self.rope_scaling_factor,
                                    "original_context": self.rope_scaling_original_context}}
 

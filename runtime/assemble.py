@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..contract.generation import read_generation_defaults
+from ..contract.manifest import read_manifest
 from .config import DFLASH_METHODS, EngineConfig
 from .engine import Engine
 from .executor.model_runner import ModelRunner
@@ -64,12 +65,29 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
     return int(cap)
 
 
+def prefill_chunk_for(cfg: EngineConfig, runner: ModelRunner) -> int:
+    """The configured prefill chunk, or the device's default, capped by the compiled row bound of the
+    library and of a draft model / DFlash drafter (their prefill memory is planned for at most that many
+    tokens per call)."""
+    bounds = [runner.max_prefill_chunk]
+    if cfg.draft_model:  # a drafter prefills (or takes the taps of) the same chunks
+        bounds.append(read_manifest(cfg.draft_model).extras.get("max_prefill_chunk"))
+    bound = min((int(b) for b in bounds if b), default=None)
+    if cfg.prefill_chunk is not None:
+        if bound is not None and cfg.prefill_chunk > bound:
+            raise ConfigError("prefill_chunk", f"{cfg.prefill_chunk} exceeds the {bound} tokens per prefill call the "
+                                               "libraries were compiled for (their max_prefill_chunk)")
+        return cfg.prefill_chunk
+    # H200, 27B, 8k prompt: 7.6k tok/s at 512-token chunks, 9.4k at 8192
+    default = 2048 if runner.device_kind == "cuda" else 512
+    return min(default, bound) if bound is not None else default
+
+
 def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo_reader=None,
                 start: bool = True) -> Engine:
     cfg = (cfg or EngineConfig()).validate()
     runner = ModelRunner(art_dir, device=cfg.device)
-    if cfg.prefill_chunk is None:  # H200, 27B, 8k prompt: 7.6k tok/s at 512-token chunks, 9.4k at 8192
-        cfg = replace(cfg, prefill_chunk=2048 if runner.device_kind == "cuda" else 512)
+    cfg = replace(cfg, prefill_chunk=prefill_chunk_for(cfg, runner))
     m = runner.manifest
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)

@@ -80,12 +80,14 @@ def drafter_params(tensors: dict, specs: list, inv_freq: np.ndarray, factor: flo
 
 
 def compile_drafter(model_dir: str | Path, target: str = "llvm", quant: str = "f32", out_dir: str | Path | None = None,
-                    name: str | None = None, random_weights: int | None = None, log=print) -> Path:
+                    name: str | None = None, random_weights: int | None = None, max_prefill_chunk: int | None = None,
+                    log=print) -> Path:
     from tvm import __version__ as tvm_version
 
     from ..build import _np_dtype, write_weights
     from ..lib_build import build_cached
     from ..libcache import build_key
+    from ..memory_bounds import DEFAULT_MAX_ROWS, bound_chunk_rows
 
     model_dir = Path(model_dir)
     cfg = load_drafter_config(model_dir)
@@ -107,13 +109,15 @@ def compile_drafter(model_dir: str | Path, target: str = "llvm", quant: str = "f
     arch_scope = tspec.tvm_target() if tspec.kind == "cuda" else contextlib.nullcontext()
     with arch_scope:
         model = DFlashDrafter(cfg, dtype, tspec.kind)
+    max_rows = int(max_prefill_chunk or DEFAULT_MAX_ROWS)
 
     def export():
         mod, pspec = model.export_tvm(spec=model.export_spec())
+        mod = bound_chunk_rows(mod, max_rows, functions=("ctx",))  # ctx takes a prefill chunk's tap rows
         return mod, [(n, [int(s) for s in p.shape], p.dtype) for n, p in pspec]
 
     lib_rel = f"{name}.so"
-    specs = build_cached(tspec, out / lib_rel, build_key([cfg.to_dict(), dtype, "dflash-drafter"], tspec), export)
+    specs = build_cached(tspec, out / lib_rel, build_key([cfg.to_dict(), dtype, "dflash-drafter", max_rows], tspec), export)
     log(f"built {tspec.name} {cfg.kind} drafter library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -133,6 +137,7 @@ def compile_drafter(model_dir: str | Path, target: str = "llvm", quant: str = "f
         tvm_version=tvm_version, rope=rope_info,
         extras={"dflash": {"kind": cfg.kind, "block_size": cfg.block_size, "target_layer_ids": cfg.target_layer_ids,
                            "pools": {k: list(v) for k, v in model.pool_shapes().items()}},
+                "max_prefill_chunk": max_rows,
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {})},
     ))
     log(f"wrote {out}")

@@ -53,6 +53,10 @@ class ModelRunner:
         # DFlash drafters: the tap layers prefill_t / verify_t return (compile --tap-layers)
         self.tap_layers = [int(i) for i in m.extras.get("tap_layers") or []]
         self.has_taps = bool(self.tap_layers) and bool(has("prefill_t") and has("verify_t"))
+        # rows per prefill-style call the library's memory plan is sized for (compile/memory_bounds.py);
+        # None: an older library whose chunk functions allocate per row count
+        bound = m.extras.get("max_prefill_chunk")
+        self.max_prefill_chunk = int(bound) if bound else None
         # [dflash hook] pools of other per-token KV on the main page ids (a DFlash drafter's paged layers):
         # name -> (tensor [num_pages, *page_shape], page_shape, dtype); copied and moved with the main pages
         self.page_pools: dict = {}
@@ -251,9 +255,16 @@ class ModelRunner:
             if s.length + n > self.manifest.max_context:
                 raise ValueError(f"sequence {s.uid} would pass the compiled max_context {self.manifest.max_context}")
 
+    def _check_chunk(self, n: int) -> None:
+        """A prefill call over the compiled row bound would overrun its planned storage."""
+        if self.max_prefill_chunk is not None and n > self.max_prefill_chunk:
+            raise ValueError(f"a prefill call of {n} tokens exceeds the library's max_prefill_chunk "
+                             f"{self.max_prefill_chunk} (split it, or recompile with a larger --max-prefill-chunk)")
+
     def _ragged(self, batch, out_rows=None):
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
+        self._check_chunk(sum(len(t) for t in chunks))
         self._check_room(seqs, [len(t) for t in chunks])
         self._check_tokens(chunks)
         return self.inputs.ragged(seqs, chunks, out_rows)
@@ -365,6 +376,8 @@ class ModelRunner:
         lens = [len(h) for _, h, _, _ in items]
         if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
             raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
+        if shortlist is None:  # mtp_step_sl (draft rounds) has no row bound
+            self._check_chunk(sum(lens))
         self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
         self._check_tokens([t for _, _, t, _ in items])
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)

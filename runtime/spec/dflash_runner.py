@@ -125,6 +125,9 @@ class DrafterRunner:
             parts.extend(rows)
         if not seqs:
             return
+        bound = self.manifest.extras.get("max_prefill_chunk")  # ctx's planned storage (compile/memory_bounds.py)
+        if bound and sum(counts) > int(bound):
+            raise ValueError(f"drafter context of {sum(counts)} rows exceeds the drafter's max_prefill_chunk {bound}")
         taps = self.stage.gather(parts)
         args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts)
         keep = [s + n - self.cfg.ring_size for s, n in zip(starts, counts)]
