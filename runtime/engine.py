@@ -85,6 +85,7 @@ class RequestHandle:
                 return
 
     async def events(self):
+        assert self._aq is not None, "events() needs a handle submitted from an event loop"
         while True:
             ev = await self._aq.get()
             if isinstance(ev, tuple):

@@ -248,6 +248,7 @@ class ModelRunner:
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
         self._check_tokens(chunks)
+        assert self.inputs is not None  # allocate() made the input buffers
         return self.inputs.ragged(seqs, chunks, out_rows)
 
     def prefill(self, batch: list[tuple[SeqLike, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:

@@ -55,9 +55,11 @@ def generate(specs: list, skip: set, seed: int, dev, tvm) -> dict:
     torch: Any = None  # the module when drawing on the GPU
     if dev.dlpack_device_type() == 2:  # kDLCUDA
         try:
-            import torch  # noqa: F811 - optional: the GPU machine has it, runtime-only installs may not
+            import torch as torch_module  # optional: the GPU machine has it, runtime-only installs may not
         except ImportError:
-            torch = None
+            pass
+        else:
+            torch = torch_module
     out = {}
     rng = np.random.default_rng(seed)
     gen = None
