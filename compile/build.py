@@ -111,7 +111,9 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
 
 
 def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progress = SILENT) -> list[str]:
-    shards, cur, size = [], {}, 0
+    shards: list[dict[str, np.ndarray]] = []
+    cur: dict[str, np.ndarray] = {}
+    size = 0
     for name, arr in params.items():
         if cur and size + arr.nbytes > SHARD_BYTES:
             shards.append(cur)
@@ -239,9 +241,9 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     for f in TOKENIZER_FILES:
         if (model_dir / f).is_file():
             shutil.copy2(model_dir / f, out / f)
-    for f in sorted((model_dir / EXTRA_TEMPLATES).glob("*.jinja")):
+    for tpl in sorted((model_dir / EXTRA_TEMPLATES).glob("*.jinja")):
         (out / EXTRA_TEMPLATES).mkdir(exist_ok=True)
-        shutil.copy2(f, out / EXTRA_TEMPLATES / f.name)
+        shutil.copy2(tpl, out / EXTRA_TEMPLATES / tpl.name)
 
     import tvm
 

@@ -89,8 +89,8 @@ def _assemble_projections(src: dict[str, np.ndarray], param_names: list[str], tr
         base = name[: -len(".weight")]
         parts = _parts(base)
         if base in nvfp4:
-            qs = [_nvfp4_part(src, p) for p in parts]
-            if any(q is None for q in qs):
+            qs = [q for q in (_nvfp4_part(src, p) for p in parts) if q is not None]
+            if len(qs) < len(parts):
                 continue  # reported as missing below
             for k in ("weight", "weight_scale", "weight_scale_2"):
                 src[f"{base}.{k}"] = np.concatenate([q[k] for q in qs], axis=0)

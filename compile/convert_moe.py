@@ -12,6 +12,7 @@ as they are, float ones quantized per gate / up / down matrix), so both layouts 
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import numpy as np
 
@@ -42,9 +43,9 @@ def _sources(src: dict, prefix: str, kind: str, cfg: ModelConfig, fold: bool) ->
     e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
     fused = _fused(src, prefix, kind, (e, 2 * i, d) if kind == "gate_up_proj" else (e, d, i))
-    slots = []
+    slots: list[list] = []
     for x in range(e):
-        row = []
+        row: list[tuple[str, Optional[np.ndarray]]] = []
         for j, p in enumerate(parts):
             name = f"{prefix}experts.{x}.{p}"
             if fused is not None and name + ".weight" not in src:
@@ -74,7 +75,7 @@ def assemble_experts(src: dict, param_names: list[str], cfg: ModelConfig, fold: 
         nvfp4 = base + ".weight_scale_2" in names
         stacked: dict[str, list] = {}
         for slot in _sources(src, m["prefix"], m["kind"], cfg, fold):
-            mats = []
+            mats: list = []  # NVFP4 parts ({key: array}) or float arrays
             for name, arr in slot:
                 if nvfp4:
                     q = _nvfp4_part(src if arr is None else {name + ".weight": arr}, name)

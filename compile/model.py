@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from typing import Protocol
 
 import numpy as np
 from tvm import tirx
@@ -201,8 +202,18 @@ def _feed_forward(cfg: ModelConfig, dtype: str, index: int, kernels) -> nn.Modul
     return MLP(cfg, dtype)
 
 
+class MLPDims(Protocol):
+    """What MLP reads of a config: the target's ModelConfig or a DFlash drafter's DrafterConfig."""
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: str, intermediate: int | None = None):
+    def __init__(self, cfg: MLPDims, dtype: str, intermediate: int | None = None):
         """intermediate: the hidden size of the SwiGLU (default: the config's dense intermediate_size)."""
         inter = intermediate or cfg.intermediate_size
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * inter, dtype)
@@ -472,8 +483,9 @@ class Qwen3xForCausalLM(nn.Module):
         rope = (self.rope_inv_freq, self.rope_attn_factor)
         rp = {} if rope_positions is None else {"rope_positions": rope_positions}
         tap_at = {i: self.tap_layers.index(i) for i in self.tap_layers} if taps is not None else {}
+        tapped: list = taps if taps is not None else []  # tap_at is empty without taps
         if tap_at:
-            taps.extend([None] * len(tap_at))
+            tapped.extend([None] * len(tap_at))
         if _GEMV.get() is not None:  # residual adds fused into o_proj / out_proj / down_proj
             for li, layer in enumerate(self.model.layers):
                 h = layer.input_layernorm(x)
@@ -484,7 +496,7 @@ class Qwen3xForCausalLM(nn.Module):
                                                                recurrent, residual=x)
                 x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
                 if li in tap_at:
-                    taps[tap_at[li]] = x
+                    tapped[tap_at[li]] = x
             return x, kv_pool, conv_pool, ssm_pool
         for li, layer in enumerate(self.model.layers):
             h = layer.input_layernorm(x)
@@ -495,7 +507,7 @@ class Qwen3xForCausalLM(nn.Module):
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in tap_at:
-                taps[tap_at[li]] = x
+                tapped[tap_at[li]] = x
         return x, kv_pool, conv_pool, ssm_pool
 
     def _logits(self, h):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -72,6 +73,7 @@ class RopeSpec:
         # HF: a top-level original_max_position_embeddings wins, else the dict's, else max_pos.
         orig = original_context or cfg.get("original_max_position_embeddings") \
             or rp.get("original_max_position_embeddings") or max_pos
+        f: Optional[float]  # the scaling factor (config.json may omit it)
         if rope_type == "default":
             if factor not in (None, 1, 1.0):
                 raise ValueError("--rope-scaling-factor needs --rope-scaling-type linear or yarn")

@@ -957,7 +957,7 @@ def _build_weights(tokenizer, docs: list[str]) -> dict[str, np.ndarray]:
     # BLAS-free construction: element-wise products accumulated with np.add.at).
     head = _normal("lm_head.weight", (V, D), HEAD_NOISE / math.sqrt(D)).astype(np.float64)
     succ = _bigram_successors(tokenizer, docs)
-    top = {}
+    top: dict[int, int] = {}
     for pv, _, c in succ:
         top[pv] = max(top.get(pv, 0), c)
     boost, cap = BIGRAM_BOOST, BIGRAM_CAP
@@ -969,8 +969,8 @@ def _build_weights(tokenizer, docs: list[str]) -> dict[str, np.ndarray]:
     scale = {nx: min(1.0, cap / math.sqrt(math.fsum(e) / D)) for nx, e in energy.items()}
     prev_ids = np.array([pv for pv, _, _ in coef], dtype=np.int64)
     next_ids = np.array([nx for _, nx, _ in coef], dtype=np.int64)
-    c = np.array([s * scale[nx] / D for _, nx, s in coef], dtype=np.float64)
-    np.add.at(head, next_ids, c[:, None] * emb[prev_ids].astype(np.float64))
+    weight = np.array([s * scale[nx] / D for _, nx, s in coef], dtype=np.float64)
+    np.add.at(head, next_ids, weight[:, None] * emb[prev_ids].astype(np.float64))
     head[N_TOKENS:] *= 0.01
     w["lm_head.weight"] = head.astype(np.float32)
 

@@ -69,6 +69,7 @@ def compiler_fingerprint() -> str:
 
     h = hashlib.sha256(importlib.metadata.version("apache-tvm").encode())
     for pkg in (compile_pkg, contract):
+        assert pkg.__file__ is not None  # regular packages (with __init__.py), never namespace packages
         root = Path(pkg.__file__).parent
         for src in sorted(root.rglob("*.py")):
             h.update(str(src.relative_to(root)).encode() + b"\0" + src.read_bytes())

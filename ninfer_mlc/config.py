@@ -13,9 +13,12 @@ import dataclasses
 import sys
 import types
 import typing
-from typing import Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 # field name -> flag spelling for the few that do not follow the rule
 FLAG_NAMES = {"enable_thinking": "--no-thinking", "prefix_reuse": "--no-prefix-reuse"}

@@ -113,7 +113,7 @@ def tool_schemas(tools: Iterable[dict] | None) -> dict[str, dict] | None:
     for tool in tools:
         if not isinstance(tool, dict):
             continue
-        fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+        fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
         name = fn.get("name")
         if not isinstance(name, str):
             continue
@@ -316,6 +316,7 @@ class _RegionParser:
         else:
             raise _Fail("malformed_structure")
         span = _FUNC_NAME_SPAN_RE.match(s, j)
+        assert span is not None  # {0,n} matches the empty string too
         cand, k = span.group(), span.end()
         if k < len(s) and s[k] == ">":
             if not _NAME_RE.fullmatch(cand):
@@ -519,6 +520,7 @@ class ToolCallStreamDecoder:
             out.append(("content", text))
 
     def _grow_region(self, delta: str) -> list[tuple[str, Any]]:
+        assert self._region is not None  # called only once the opening marker started the region
         self._region.append(delta)
         self._region_len += len(delta)
         window = self._tail + delta

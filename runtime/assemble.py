@@ -51,7 +51,7 @@ def host_tier_mib(cfg: EngineConfig, runner: ModelRunner) -> float:
 def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> int:
     """Device KV pool size: the configured token count, 'auto' (free device memory), or by default
     all free memory on CUDA and max_context x max_concurrency on the CPU."""
-    cap = cfg.kv_capacity
+    cap: int | str | None = cfg.kv_capacity
     if cap is None:
         cap = "auto" if runner.device_kind == "cuda" else max_context * cfg.max_concurrency
     if str(cap) == "auto":
@@ -59,6 +59,7 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
         if cfg.spec in DFLASH_METHODS:  # [dflash hook] the drafter's paged layers share the page ids
             from .spec.dflash_runner import paged_bytes_per_page
 
+            assert cfg.draft_model  # validate() requires it for DFlash
             extra = paged_bytes_per_page(cfg.draft_model)
         rows = max(int(cfg.prefill_chunk or 0), cfg.max_concurrency * (cfg.draft_tokens + 1))
         cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra, step_rows=rows)
@@ -95,6 +96,7 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     if cfg.spec in DFLASH_METHODS:  # [dflash hook] before the host tier, which moves it with the pages
         from .spec.dflash_runner import attach_paged_pool
 
+        assert cfg.draft_model  # validate() requires it for DFlash
         attach_paged_pool(runner, cfg.draft_model)
     runner.vision = open_vision(runner, cfg.vision)
     cache = host = None

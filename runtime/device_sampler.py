@@ -11,7 +11,7 @@ device (and to the RowState). Tokens added or removed outside `sample` (speculat
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -70,7 +70,8 @@ class DeviceSampler:
         self.prompt = empty((self.max_lanes, self.words), "int32", device)
         self.bias = empty((self.max_lanes, V), "float32", device)
         self._rows = 0
-        self._params = self._mask = None
+        self._params: Any = None  # tvm.runtime.Tensor (no type information), sized by _reserve_rows
+        self._mask: Any = None
         self._reserve_rows(max(8, self.max_lanes))
         self._bound: dict[int, RowState] = {}
 

@@ -55,6 +55,7 @@ class RequestHandle:
             self.finished = ev
             self._engine._on_finished(self)
         if self._loop is not None:
+            assert self._aq is not None  # made together with the loop
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
             except RuntimeError:  # loop closed: the client is gone
@@ -75,6 +76,7 @@ class RequestHandle:
 
     async def wait_admitted(self) -> None:
         """Return once the request left the queue; raise its admission error if it failed."""
+        assert self._aq is not None, "wait_admitted() needs a handle submitted from an event loop"
         while True:
             ev = await self._aq.get()
             if isinstance(ev, tuple) and ev[0] == "admitted":
@@ -83,6 +85,7 @@ class RequestHandle:
                 return
 
     async def events(self):
+        assert self._aq is not None, "events() needs a handle submitted from an event loop"
         while True:
             ev = await self._aq.get()
             if isinstance(ev, tuple):
@@ -110,6 +113,7 @@ class Engine:
                  turn_start: Optional[list[int]] = None, think: Optional[ThinkControl] = None,
                  model_info: Optional[ModelInfo] = None, generation: Optional[GenerationDefaults] = None):
         cfg.validate()
+        assert cfg.prefill_chunk is not None, "assemble() resolves prefill_chunk for the device"
         self.runner, self.kv, self.tok, self.cfg = runner, kv, tokenizer, cfg
         self.max_context = min(cfg.max_context or runner.manifest.max_context, runner.manifest.max_context)
         self.eos_ids = set(eos_ids)
@@ -290,7 +294,7 @@ class Engine:
             if self.spec is not None:
                 logits = self.spec.prefill(batch)
             else:
-                logits = self.runner.prefill([(r.seq, t) for r, t in batch])
+                logits = self.runner.prefill([(r.live_seq, t) for r, t in batch])
             done = [(w.req, lg) for w, lg in zip(plan.prefill, logits) if w.samples]
             if done:
                 results.update(self._sample([r for r, _ in done], np.stack([lg for _, lg in done])))
@@ -300,7 +304,7 @@ class Engine:
             else:
                 rows = [w.req for w in plan.decode]
                 on_device = self.device_sampler is not None
-                logits = self.runner.decode([r.seq for r in rows], [w.feed[-1] for w in plan.decode], on_device)
+                logits = self.runner.decode([r.live_seq for r in rows], [w.feed[-1] for w in plan.decode], on_device)
                 results.update(self._sample_on_device(rows, logits) if on_device else self._sample(rows, logits, fed=1))
         return results
 
@@ -308,6 +312,7 @@ class Engine:
         """The library's sampler over the decode logits where they are; grammar masks and the tokenizer's
         vocabulary limit travel as one bitmask."""
         ds = self.device_sampler
+        assert ds is not None  # called only when the library samples on the device
         live = self.scheduler.running
         for rid in [rid for rid in self._lanes if rid not in live]:  # finished or preempted: lane freed
             ds.release(self._lanes.pop(rid))
@@ -339,6 +344,7 @@ class Engine:
     def _sync_lanes(self) -> None:
         """A committed token the thinking budget replaced: the lane's counts follow what was committed."""
         ds = self.device_sampler
+        assert ds is not None  # called only when _sampled holds device sampler draws
         for rid, t in self._sampled.items():
             r = self.scheduler.running.get(rid)
             if r is not None and r.generated and r.generated[-1] != t and rid in self._lanes:

@@ -74,6 +74,7 @@ def _import_binding_only():
     the package module is created from its spec and registered, then only the modules that load
     the library and bind its objects are imported."""
     spec = importlib.util.find_spec("xgrammar")
+    assert spec is not None  # _import_core checked that the package is installed
     pkg = importlib.util.module_from_spec(spec)
     sys.modules["xgrammar"] = pkg
     try:

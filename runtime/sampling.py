@@ -412,11 +412,11 @@ class RowState:
                     if t not in self._prompt_set:
                         self._rep_mask[t] = False
 
-    def snapshot(self) -> tuple[int, dict]:
+    def snapshot(self) -> tuple[int, Mapping[str, Any]]:
         """(number of generated tokens, RNG state) to hand to :meth:`restore`."""
         return len(self.output_token_ids), self.rng.bit_generator.state
 
-    def restore(self, snap: tuple[int, dict]) -> None:
+    def restore(self, snap: tuple[int, Mapping[str, Any]]) -> None:
         n, rng_state = snap
         self.rollback(len(self.output_token_ids) - n)
         self.rng.bit_generator.state = rng_state

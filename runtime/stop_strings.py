@@ -68,8 +68,7 @@ class StopStringMatcher:
         for s in stops:
             if not isinstance(s, str) or s == "":
                 raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        seen: set[str] = set()
-        self.stop: list[str] = [s for s in stops if not (s in seen or seen.add(s))]  # dedupe, keep order
+        self.stop: list[str] = list(dict.fromkeys(stops))  # dedupe, keep order
         self._ac = _Automaton(self.stop) if self.stop else None
         self._state = 0
         self._held = ""

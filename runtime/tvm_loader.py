@@ -27,7 +27,7 @@ def device_for(tvm, kind: str, index: int = 0):
     return dev
 
 
-def load_vm(tvm, lib_path: str, dev):
+def load_vm(tvm, lib_path: str | os.PathLike, dev):
     from tvm.runtime.vm import VirtualMachine
 
     lib = tvm.runtime.load_module(str(lib_path))

@@ -25,4 +25,7 @@ if command -v npm >/dev/null 2>&1; then
 else
   echo "npm not found: the agent CLI tests (tests/test_agent_clients.py) will skip"
 fi
+# lint and type-check before the (minutes-long) suite; either failing fails the run
+.venv/bin/ruff check .
+./scripts/typecheck.sh
 exec .venv/bin/python -m pytest "$@"

@@ -32,8 +32,6 @@ layer is.
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
@@ -90,7 +88,7 @@ class GroupedDynamicConv(nn.Module):
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, dtype: str, conv: bool):
         self.self_attn = DrafterAttention(cfg, dtype)
-        self.mlp = MLP(SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size), dtype)
+        self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if conv:
@@ -160,6 +158,7 @@ class DFlashDrafter(nn.Module):
 
     def _ring_mask(self, positions: nn.Tensor, ring_lo: nn.Tensor, causal: bool) -> nn.Tensor:
         """Additive mask [b, B, R] over ring slots (see the module docstring)."""
+        assert self.cfg.sliding_window is not None  # ring layers exist only with a window
         B, R, W = self.cfg.block_size, self.cfg.ring_size, int(self.cfg.sliding_window)
 
         def compute(pos: te.Tensor, lo: te.Tensor):
@@ -277,7 +276,7 @@ class DFlashDrafter(nn.Module):
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = op.tanh(logits * (1.0 / cap)) * cap
-        out = (logits,)
+        out: tuple = (logits,)
         if cfg.kind == "dflash2":
             out += (self.candidate_selector.hidden_projection(hr).astype("float32"),)
         return out + self._pools_out(pools)

@@ -54,7 +54,10 @@ class DrafterConfig:
     def ring_size(self) -> int:
         """Ring positions per sequence: the window plus the block, so writing a block never
         overwrites context a query of that block still sees."""
-        return int(self.sliding_window) + self.block_size if self.ring_layers else 0
+        if not self.ring_layers:
+            return 0
+        assert self.sliding_window is not None  # a layer rings only when the window is set (windowed())
+        return int(self.sliding_window) + self.block_size
 
     @property
     def num_taps(self) -> int:

@@ -412,7 +412,7 @@ class MessageStreamer:
         self._thinking: list[str] = []
 
     def start(self) -> list[bytes]:
-        msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+        msg: dict[str, Any] = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
                "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": self.input_tokens - self.cached, "output_tokens": 0,
                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached}}
@@ -455,6 +455,7 @@ class MessageStreamer:
             out.append(self._delta({"type": "text_delta", "text": o.text}))
         else:
             c = o.call
+            assert c is not None  # kind "tool_call"
             out += self._open("tool_use", {"type": "tool_use", "id": anthropic_tool_id(c.id), "name": c.name,
                                            "input": {}})
             out.append(self._delta({"type": "input_json_delta", "partial_json": c.arguments_json}))
@@ -509,6 +510,7 @@ async def messages(request: Request):
     ok, col = await gen.run_collect(request.receive, handle, events)
     if not ok:
         return Response(status_code=499, headers=headers)
+    assert col is not None  # ok: collect() ran to the end
     if col.done.finish_reason == "error":
         raise APIError(500, f"generation failed: {col.done.error}")
     return JSONResponse(message_body(mid, model, col, omit_thinking), headers=headers)

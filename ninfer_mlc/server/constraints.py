@@ -22,12 +22,12 @@ NO_CONSTRAINT: Constraint = (None, "")
 
 
 def tool_name(tool: dict) -> Optional[str]:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
     return fn.get("name")
 
 
 def _is_strict(tool: dict) -> bool:
-    fn = tool.get("function") if isinstance(tool.get("function"), dict) else tool
+    fn = tool["function"] if isinstance(tool.get("function"), dict) else tool
     return fn.get("strict") is True or tool.get("strict") is True
 
 
@@ -66,11 +66,12 @@ def _openai_forced(raw: Any, tools: Optional[list[dict]], parallel: bool) -> Con
         return NO_CONSTRAINT
     t = raw.get("type")
     if t == "function":
-        fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw  # chat / Responses form
+        fn = raw["function"] if isinstance(raw.get("function"), dict) else raw  # chat / Responses form
         name = _named(tools, fn.get("name"), "tool_choice")
+        assert tools is not None  # _named accepts a name only from a non-empty tools list
         return (_tool_spec("named", tools, False, name), "tool_choice")
     if t == "allowed_tools":
-        allowed = raw.get("allowed_tools") if isinstance(raw.get("allowed_tools"), dict) else raw
+        allowed = raw["allowed_tools"] if isinstance(raw.get("allowed_tools"), dict) else raw
         if allowed.get("mode", "auto") != "required":
             return NO_CONSTRAINT
         refs = allowed.get("tools")
@@ -79,6 +80,7 @@ def _openai_forced(raw: Any, tools: Optional[list[dict]], parallel: bool) -> Con
                               param="tool_choice.allowed_tools.tools")
         names = {_named(tools, tool_name(r) if isinstance(r, dict) else None, "tool_choice.allowed_tools.tools")
                  for r in refs}
+        assert tools is not None  # refs is non-empty, so _named checked at least one name against tools
         subset = [t for t in tools if tool_name(t) in names]
         return (_tool_spec("required", subset, parallel), "tool_choice")
     return NO_CONSTRAINT
@@ -156,7 +158,7 @@ def anthropic_output_format(raw: Any) -> Optional[dict]:
 def anthropic_constraint(body: dict, tools: Optional[list[dict]], allow_calls: bool) -> Constraint:
     """Messages: tool_choice any / tool, output_config.format, strict tools (``tools`` already in the
     OpenAI function form, ``strict`` kept)."""
-    tc = body.get("tool_choice") if isinstance(body.get("tool_choice"), dict) else {}
+    tc = body["tool_choice"] if isinstance(body.get("tool_choice"), dict) else {}
     parallel = not _bool(tc, "disable_parallel_tool_use", False)
     offered = tools if allow_calls else None
     t = tc.get("type")
@@ -167,6 +169,6 @@ def anthropic_constraint(body: dict, tools: Optional[list[dict]], allow_calls: b
             return (_tool_spec("required", offered, parallel), "tool_choice")
         name = _named(offered, tc.get("name"), "tool_choice.name")
         return (_tool_spec("named", offered, False, name), "tool_choice")
-    oc = body.get("output_config") if isinstance(body.get("output_config"), dict) else {}
+    oc = body["output_config"] if isinstance(body.get("output_config"), dict) else {}
     fmt = anthropic_output_format(oc.get("format"))
     return _answer_constraint(fmt, "output_config.format", offered, parallel)

@@ -254,6 +254,7 @@ class ChatStream:
             for kind, x in self.decoder.finish(truncated=fin.reason == "length"):
                 self._answer_event(kind, x, out)
             r = self.decoder.result
+            assert r is not None  # finish() just set it
             tool_parse = {"marker_seen": r.marker_seen, "structured_call_count": len(r.calls),
                           "fallback_reason": r.fallback_reason, "recoveries": list(r.recoveries)}
         if self._lead_ws and not self.calls:

@@ -318,6 +318,7 @@ class ChatChunker:
         i = self.n_calls
         self.n_calls += 1
         c = o.call
+        assert c is not None  # kind "tool_call"
         return [self._chunk({"tool_calls": [{"index": i, "id": c.id, "type": "function",
                                              "function": {"name": c.name, "arguments": ""}}]}, logprobs=o.logprobs),
                 self._chunk({"tool_calls": [{"index": i, "function": {"arguments": c.arguments_json}}]})]
@@ -363,6 +364,7 @@ async def chat_completions(request: Request):
     ok, col = await gen.run_collect(request.receive, handle, events)
     if not ok:
         return Response(status_code=499, headers=headers)
+    assert col is not None  # ok: collect() ran to the end
     if col.done.finish_reason == "error":
         raise APIError(500, f"generation failed: {col.done.error}", code="generation_error")
     return JSONResponse(chat_completion_body(cid, model, created, col, want_lp), headers=headers)
@@ -464,6 +466,7 @@ async def completions(request: Request):
     ok, col = await gen.run_collect(request.receive, handle, events)
     if not ok:
         return Response(status_code=499, headers=headers)
+    assert col is not None  # ok: collect() ran to the end
     if col.done.finish_reason == "error":
         raise APIError(500, f"generation failed: {col.done.error}", code="generation_error")
     choice = {"index": 0, "text": echo_text + col.content,

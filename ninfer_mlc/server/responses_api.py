@@ -194,6 +194,7 @@ class ResponseBuilder:
         return self._ev("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
 
     def _where(self) -> dict:
+        assert self.open is not None  # called right after an item was opened
         return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
 
     def _open_reasoning(self) -> list[bytes]:
@@ -228,7 +229,7 @@ class ResponseBuilder:
         w = {"item_id": item["id"], "output_index": len(self.output) - 1}
         out = []
         if item["type"] == "reasoning":
-            part = {"type": "summary_text" if self.req.summary else "reasoning_text", "text": text}
+            part: dict[str, Any] = {"type": "summary_text" if self.req.summary else "reasoning_text", "text": text}
             if self.req.summary:
                 out.append(self._ev("response.reasoning_summary_text.done", **w, summary_index=0, text=text))
                 out.append(self._ev("response.reasoning_summary_part.done", **w, summary_index=0, part=part))

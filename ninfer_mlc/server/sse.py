@@ -12,9 +12,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncGenerator, Awaitable, Optional
 
 from starlette.responses import Response
+from starlette.types import Receive
 
 log = logging.getLogger("ninfer.server")
 
@@ -36,7 +37,7 @@ def sse_event(name: str, obj: Any) -> bytes:
     return f"event: {name}\ndata: {dumps(obj)}\n\n".encode()
 
 
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict]]) -> None:
+async def _wait_disconnect(receive: Receive) -> None:
     while True:
         msg = await receive()
         if msg.get("type") == "http.disconnect":
@@ -50,7 +51,7 @@ async def _cancel_and_wait(task: "asyncio.Future") -> None:
         await task
 
 
-async def until_disconnect(receive: Callable[[], Awaitable[dict]], aw: Awaitable) -> tuple[bool, Any]:
+async def until_disconnect(receive: Receive, aw: Awaitable) -> tuple[bool, Any]:
     """Run ``aw`` unless the client disconnects first.
 
     Returns ``(True, result)``, or ``(False, None)`` after cancelling ``aw`` because the client
@@ -79,7 +80,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: Optional[dict] = None, keepalive_s: float = 5.0,
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: Optional[dict] = None, keepalive_s: float = 5.0,
                  keepalive: bytes = KEEPALIVE_COMMENT, status_code: int = 200):
         self.events = events
         self.sse_headers = {"content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache",

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..chat_template import ChatTemplate
 from .prep_stage import PrepStage, max_token_bytes
 from .request_log import RequestLogger
 from .stats import HttpCounters
+
+if TYPE_CHECKING:  # importing vision loads the image stack; the annotation alone needs no import
+    from .vision import VisionService
 
 
 @dataclass
@@ -58,7 +61,7 @@ class ServerState:
         self.log = RequestLogger(config.request_log_path)
         self.http = HttpCounters()  # in-flight / recent requests / answers by status for /stats
         self.vocab_size: Optional[int] = engine.runner.vocab_size if hasattr(engine, "runner") else None
-        self.vision = None  # server/vision.py VisionService when the model takes images
+        self.vision: Optional[VisionService] = None  # server/vision.py VisionService when the model takes images
         # render + tokenize off the event loop, bounded (server/prep_stage.py)
         self.prep = PrepStage(config.prep_workers, config.max_waiting_prep)
         self._max_token_bytes: Optional[int] = None

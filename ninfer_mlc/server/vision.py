@@ -51,7 +51,8 @@ def fetch_url(url: str, max_bytes: int, timeout_s: float) -> bytes:
         length = resp.headers.get("Content-Length")
         if length is not None and length.isdigit() and int(length) > max_bytes:
             raise ImageError(f"image is {int(length)} bytes; the limit is {max_bytes}")
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while True:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"fetching the image took longer than {timeout_s:g}s")
@@ -85,6 +86,7 @@ class VisionService:
                 raise bad_request(f"{ref.param}: image is {len(ref.data)} bytes; the limit is {lim.max_image_bytes}",
                                   param=ref.param)
             return ref.data
+        assert ref.url is not None  # an ImageRef holds either inline data or a URL (image_parts.py)
         t0 = time.perf_counter()
         try:
             data = await run_in_threadpool(fetch_url, ref.url, lim.max_image_bytes, lim.fetch_timeout_s)

@@ -171,6 +171,7 @@ class GraphedFunction:
     def _record(self, key, inputs, persistent):
         statics = list(inputs)  # the graph reads these addresses on every replay
         graph = ctypes.c_void_p()
+        assert self.stream.value is not None  # cuStreamCreate made it
         self.dev.sync()
         try:
             with self._use_stream(self.dev, self.stream.value):

@@ -10,16 +10,24 @@ needs more rows than they hold, and `generation` counts those moves so graphs ov
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, cast
 
 import numpy as np
 
 
 class SeqLike(Protocol):
     uid: int
-    slot: int
+    slot: Optional[int]  # a released sequence's is None; the rows of a call always hold one
     pages: list
     length: int
+
+
+def _row_slots(seqs: Sequence[SeqLike]) -> list[int]:
+    """The rows' state slots (every row of a call is a live sequence, which holds one)."""
+    slots = [s.slot for s in seqs]
+    if None in slots:
+        raise ValueError("a released sequence (no state slot) cannot be a row of a call")
+    return cast("list[int]", slots)
 
 
 class _Buffer:
@@ -92,7 +100,7 @@ class StepInputs:
         self.r_positions = _Buffer(self.tvm, self.dev, n)
         self.r_seq = _Buffer(self.tvm, self.dev, n)
         self.r_out = _Buffer(self.tvm, self.dev, n)
-        self._hidden = None  # float32 rows of hidden states (MTP input), allocated on first use
+        self._hidden: Any = None  # float32 hidden-state rows (MTP input; a tvm.runtime.Tensor), allocated on first use
 
     def _check_batch(self, b: int) -> None:
         if not 1 <= b <= self.max_batch:
@@ -111,7 +119,7 @@ class StepInputs:
         self._check_batch(b)
         self.d_tokens.host[:b] = tokens
         self.d_positions.host[:b] = [s.length for s in seqs]
-        self.d_slots.host[:b] = [s.slot for s in seqs]
+        self.d_slots.host[:b] = _row_slots(seqs)
         width = self.d_rows.fill(seqs)
         if width_of is not None:
             width = min(width_of(width), self.max_pages)
@@ -130,7 +138,7 @@ class StepInputs:
         view.copyfrom(h)
         return view
 
-    def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int]],
+    def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int] | np.ndarray],
                out_rows: Optional[np.ndarray] = None,
                starts: Optional[Sequence[int]] = None, width_of=None) -> tuple[list, np.ndarray, object]:
         """[tokens, positions, token_seq, cu_seqlens, page_table, slot_ids] views, the cu_seqlens
@@ -153,7 +161,7 @@ class StepInputs:
             self.r_positions.host[off:off + k] = np.arange(p0, p0 + k, dtype=np.int32)
             self.r_seq.host[off:off + k] = i
             off += k
-        self.r_slots.host[:b] = [s.slot for s in seqs]
+        self.r_slots.host[:b] = _row_slots(seqs)
         width = self.r_rows.fill(seqs)
         if width_of is not None:
             width = min(width_of(width), self.max_pages)

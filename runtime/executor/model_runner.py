@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from .device_rows import DeviceRows
 from .inputs import SeqLike, StepInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
+
+if TYPE_CHECKING:  # the vision stack loads only for image-capable models (assemble.py)
+    from ..vision.encoder import VisionEncoder
 
 
 class ModelRunner:
@@ -63,7 +66,11 @@ class ModelRunner:
         self.page_bytes = self.layout.page_bytes
         self.conv_slot_bytes = self.layout.conv_slot_bytes
         self.ssm_slot_bytes = self.layout.ssm_slot_bytes
-        self.kv_pool = self.conv_pool = self.ssm_pool = self.mtp_kv_pool = None
+        # device pools (tvm.runtime.Tensor, which carries no type information), made by allocate()
+        self.kv_pool: Any = None
+        self.conv_pool: Any = None
+        self.ssm_pool: Any = None
+        self.mtp_kv_pool: Any = None
         self.inputs: Optional[StepInputs] = None
         self.decode_graphs: Optional[GraphedFunction] = None
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
@@ -71,7 +78,7 @@ class ModelRunner:
         self.mtp_graphs: Optional[GraphedFunction] = None
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
-        self.vision = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
+        self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
     def _load_params(self) -> list:
@@ -267,6 +274,7 @@ class ModelRunner:
         self._check_chunk(sum(len(t) for t in chunks))
         self._check_room(seqs, [len(t) for t in chunks])
         self._check_tokens(chunks)
+        assert self.inputs is not None  # allocate() made the input buffers
         return self.inputs.ragged(seqs, chunks, out_rows)
 
     def prefill(self, batch: list[tuple[SeqLike, Sequence[int]]], all_logits: bool = False) -> list[np.ndarray]:
@@ -292,6 +300,7 @@ class ModelRunner:
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
         # attention split count, which follows the width, is the same in both modes)
         bucket = page_width_bucket if self.device_kind == "cuda" else None
+        assert self.inputs is not None  # allocate() made the input buffers
         args = self.inputs.decode(seqs, tokens, bucket)
         rope = decode_rope_positions(seqs)  # cache position + rope delta after images
         if rope is not None:
@@ -319,6 +328,7 @@ class ModelRunner:
 
     def _ragged_graphs(self) -> None:
         """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
+        assert self.inputs is not None  # allocate() made the input buffers
         if self.inputs.generation != self._graph_generation:
             for g in (self.verify_graphs, self.verify_t_graphs, self.mtp_graphs):
                 if g is not None:
@@ -337,6 +347,7 @@ class ModelRunner:
         self._check_tokens(chunks)
         name = self._hidden_fn("verify", taps)
         graphs = self.verify_t_graphs if taps else self.verify_graphs
+        assert self.inputs is not None  # allocate() made the input buffers
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
         if graphs is not None:
             self._ragged_graphs()
@@ -382,6 +393,7 @@ class ModelRunner:
         self._check_tokens([t for _, _, t, _ in items])
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
         last = (np.cumsum(lens) - 1).astype(np.int32)
+        assert self.inputs is not None  # allocate() made the input buffers
         args, _, rows_view = self.inputs.ragged(seqs, [t for _, _, t, _ in items], last,
                                                 starts=[p for _, _, _, p in items])
         ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]  # no cu_seqlens / slots
@@ -397,6 +409,7 @@ class ModelRunner:
         self._check_mtp(seqs, list(positions))
         self._check_tokens([tokens])
         graphs = self.mtp_graphs if shortlist is None else None
+        assert self.inputs is not None  # allocate() made the input buffers
         args, _, _ = self.inputs.ragged(seqs, [[int(t)] for t in tokens], starts=list(positions),
                                         width_of=page_width_bucket if graphs is not None else None)
         ragged = [self.inputs.hidden(hidden)] + args[:3] + [args[4]]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -51,12 +52,14 @@ def generate(specs: list, skip: set, seed: int, dev, tvm) -> dict:
     values are drawn on the GPU with torch when it is importable (nothing large crosses the bus), else
     with numpy on the host."""
     params = {n: (tuple(s), d) for n, s, d in specs}
-    torch = None
+    torch: Any = None  # the module when drawing on the GPU
     if dev.dlpack_device_type() == 2:  # kDLCUDA
         try:
-            import torch  # noqa: F811 - optional: the GPU machine has it, runtime-only installs may not
+            import torch as torch_module  # optional: the GPU machine has it, runtime-only installs may not
         except ImportError:
-            torch = None
+            pass
+        else:
+            torch = torch_module
     out = {}
     rng = np.random.default_rng(seed)
     gen = None

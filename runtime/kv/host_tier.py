@@ -61,7 +61,7 @@ class HostTier:
             on_kv_grow=self._on_grow, **kw)
         for ch in self.arena.chunks():
             self._on_grow(ch)
-        self.stats = {k: 0 for k in (
+        self.stats: dict[str, float] = {k: 0 for k in (  # counters (int) and seconds (float)
             "kv_d2h_pages", "kv_d2h_bytes", "kv_h2d_pages", "kv_h2d_bytes", "kv_d2d_pages", "kv_d2d_bytes",
             "state_d2h_count", "state_d2h_bytes", "state_h2d_count", "state_h2d_bytes", "state_d2d_count",
             "state_d2d_bytes", "mtp_kv_d2h_bytes", "mtp_kv_h2d_bytes", "draft_kv_d2h_bytes", "draft_kv_h2d_bytes")}
@@ -78,7 +78,7 @@ class HostTier:
         off = i * self.host_page_bytes
         kv_dt = self.runner.kv_pool.dtype if self.extra else buf.dtype
         main = buf._create_view(self.page_shape, kv_dt, off)
-        out = (main, (buf._create_view(self.mtp_page_shape, kv_dt, off + self.runner.page_bytes)
+        out: tuple = (main, (buf._create_view(self.mtp_page_shape, kv_dt, off + self.runner.page_bytes)
                       if self.mtp else None))
         if self.extra:
             off += self._main_bytes

@@ -28,7 +28,7 @@ _uids = itertools.count(1)
 class SeqKV:
     """Device residency of one sequence: its state slot, its KV pages and how many tokens they hold."""
 
-    slot: int
+    slot: Optional[int]  # None once released
     pages: list = field(default_factory=list)
     length: int = 0
     uid: int = field(default_factory=lambda: next(_uids))
@@ -74,28 +74,32 @@ class KVManager:
 
     def demote(self, e: Entry) -> bool:
         """Move a device entry to the host tier (pages + state); False if the host has no room."""
-        if self.host is None or not self.cache.begin_move(e):
+        host, cache, slot = self.host, self.cache, e.slot
+        if host is None:
+            return False
+        assert cache is not None and slot is not None  # e is a device entry of the prefix cache
+        if not cache.begin_move(e):
             return False
         alloc = hs = None
         done = False
         try:
             if e.pages:
-                alloc = self._on_host(e, lambda: self.host.store_pages(e.pages))
+                alloc = self._on_host(e, lambda: host.store_pages(e.pages))
                 if alloc is None:
                     self.stats["demote_failures"] += 1
                     return False
-            hs = self._on_host(e, lambda: self.host.store_state(e.slot))
+            hs = self._on_host(e, lambda: host.store_state(slot))
             if hs is None:
                 self.stats["demote_failures"] += 1
                 return False
             done = True
         finally:
             if not done:  # refused or failed half-way: the entry stays on the device, the host keeps nothing
-                self.host.free_pages(alloc)
+                host.free_pages(alloc)
                 if hs is not None:
-                    self.host.free_state(hs)
+                    host.free_state(hs)
         self.pages.release(e.pages)
-        self.slots.release(e.slot)
+        self.slots.release(slot)
         self.stats["spill_pages"] += len(e.pages)
         e.pages, e.slot = [], None
         e.host_alloc, e.host_slot, e.tier = alloc, hs, "host"
@@ -110,6 +114,7 @@ class KVManager:
         return got
 
     def _evict_cheaper_host(self, than: Entry) -> bool:
+        assert self.cache is not None  # only demotions of cache entries get here
         victim = self.planner.host_victim(self.cache.host_entries(), than)
         if victim is None:
             return False
@@ -117,6 +122,7 @@ class KVManager:
         return True
 
     def evict(self, e: Entry) -> None:
+        assert self.cache is not None  # e is an entry of the prefix cache
         if not self.cache.begin_move(e):
             return
         self._drop_storage(e)
@@ -132,6 +138,7 @@ class KVManager:
             if e.slot is not None:
                 self.slots.release(e.slot)
         else:
+            assert self.host is not None  # a host-tier entry exists only with a host tier
             self.host.free_pages(e.host_alloc)
             if e.host_slot is not None:
                 self.host.free_state(e.host_slot)
@@ -152,6 +159,7 @@ class KVManager:
         if not self.make_room(slots=1):
             return None
         slot = self.slots.alloc()
+        assert slot is not None  # make_room freed one
         self.runner.zero_state(slot)
         return SeqKV(slot=slot)
 
@@ -188,7 +196,9 @@ class KVManager:
     def _restore(self, m: Match, seq: SeqKV) -> bool:
         e = m.entry
         n_pages = self.pages_for(e.length)
+        assert seq.slot is not None  # a live sequence holds its slot
         if e.tier == "device":
+            assert e.slot is not None  # a device entry holds its state slot
             full = e.length // self.page_size
             tail = n_pages - full
             if tail and not self.make_room(pages=tail):
@@ -198,7 +208,9 @@ class KVManager:
             self.pages.share(shared)
             seq.pages = list(shared)
             if tail:  # the partly filled page is copied: both owners write past the frontier
-                (p,) = self.pages.alloc(1)
+                got = self.pages.alloc(1)
+                assert got is not None  # make_room freed the page
+                (p,) = got
                 seq.pages.append(p)
                 self.host.copy_page_d2d(e.pages[full], p) if self.host else self.runner.copy_page(e.pages[full], p)
                 self.stats["partial_tail_cow_pages"] += 1
@@ -206,7 +218,9 @@ class KVManager:
         else:
             if not self.make_room(pages=n_pages):
                 return False
-            seq.pages = self.pages.alloc(n_pages)
+            got = self.pages.alloc(n_pages)
+            assert got is not None and self.host is not None and e.host_slot is not None  # room made; a host entry
+            seq.pages = got
             self.host.load_pages(e.host_alloc, seq.pages)
             self.host.load_state(e.host_slot, seq.slot)
             self.stats["restores_host"] += 1
@@ -253,6 +267,7 @@ class KVManager:
         if not self.make_room(slots=1):
             return None
         slot = self.slots.alloc()
+        assert slot is not None and seq.slot is not None  # make_room freed one; a live sequence holds its slot
         try:
             self._copy_state(seq.slot, slot)
         except BaseException:
@@ -300,6 +315,7 @@ class KVManager:
 
     def restore_snapshot(self, seq: SeqKV, slot: int, length: int) -> None:
         """seq goes back to the snapshot taken at `length`: the snapshot slot becomes its slot."""
+        assert seq.slot is not None  # a live sequence holds its slot
         self.slots.release(seq.slot)
         seq.slot, seq.length = slot, length
 
@@ -322,17 +338,24 @@ class KVManager:
             slots.append(s.slot)
             for p in s.pages:
                 refs[p] += 1
-        host_allocs, host_slots = [], []
+        host_allocs: list = []
+        host_slots: list[int] = []
         for e in entries:
             if e.claimed:
                 problems.append(f"entry {e.eid} still claimed ({e.claimed})")
             if e.tier == "device":
-                slots.append(e.slot)
+                if e.slot is None:
+                    problems.append(f"device entry {e.eid} holds no state slot")
+                else:
+                    slots.append(e.slot)
                 for p in e.pages:
                     refs[p] += 1
             else:
                 host_allocs.append(e.host_alloc)
-                host_slots.append(e.host_slot)
+                if e.host_slot is None:
+                    problems.append(f"host entry {e.eid} holds no host state slot")
+                else:
+                    host_slots.append(e.host_slot)
         for p in range(self.pages.num_pages):
             if refs[p] != self.pages.refcount(p):
                 problems.append(f"page {p}: refcount {self.pages.refcount(p)}, holders {refs[p]}")

@@ -47,6 +47,8 @@ class Finished:
 class Sink(Protocol):
     """Where a request's events go (runtime.engine.RequestHandle)."""
 
+    cached_tokens: int  # prompt tokens the prefix cache served (set at first admission)
+
     def push(self, ev: Any) -> None: ...
 
     def admit(self, err: Optional[Exception] = None) -> None: ...
@@ -106,6 +108,13 @@ class Request:
             return tokens
         n = len(self.req.prompt_ids)
         return list(media.key_ids[: min(len(tokens), n)]) + list(tokens[n:])
+
+    @property
+    def live_seq(self) -> SeqKV:
+        """seq of an admitted request: the scheduler's running requests, and so every row of a step
+        plan, hold one."""
+        assert self.seq is not None, f"request {self.rid} holds no sequence"
+        return self.seq
 
     @property
     def decoding(self) -> bool:

@@ -102,9 +102,9 @@ class Scheduler:
             if r.rid == rid:
                 self.waiting.remove(r)
                 self.finish(r, "cancelled")
-        r = self.running.get(rid)
-        if r is not None:
-            self.finish(r, "cancelled")
+        running = self.running.get(rid)
+        if running is not None:
+            self.finish(running, "cancelled")
 
     def state(self) -> SchedulerState:
         acts = list(self.running.values())
@@ -124,6 +124,7 @@ class Scheduler:
         for r in list(self.running.values()):
             if not r.feed or budget <= 0 or r.rid not in self.running:
                 continue
+            assert r.seq is not None  # running requests hold their sequence
             limit = budget
             nxt = next((c for c in r.checkpoints if c > r.seq.length), None)
             if nxt is not None:
@@ -137,6 +138,7 @@ class Scheduler:
         for r in list(self.running.values()):
             if not r.decoding or r.rid not in self.running or r.rid in planned:
                 continue
+            assert r.seq is not None and r.pending_token is not None  # running and decoding
             feed = (self.spec.refeed(r) if self.spec else []) + [r.pending_token]
             k = 0
             if self.spec is not None:
@@ -214,6 +216,7 @@ class Scheduler:
 
     def _reserve(self, r: Request, n: int, protect: set) -> bool:
         """Pages for n more tokens of r, preempting other requests (never those in `protect`)."""
+        assert r.seq is not None  # running requests hold their sequence
         while not self.kv.ensure(r.seq, n):
             victims = [v for v in self.running.values() if v is not r and v.rid not in protect]
             if not victims:
@@ -227,6 +230,7 @@ class Scheduler:
         recomputing whenever the entry survives."""
         if self.spec is not None:
             self.spec.release(v)
+        assert v.seq is not None  # running requests hold their sequence
         self.kv.release(v.seq, v.cache_keys(v.fed_tokens()), v.identity, v.req.session_key)
         v.seq = None
         v.preemptions += 1
@@ -242,6 +246,7 @@ class Scheduler:
             self.counters.prefill_rounds += 1
         for w in plan.prefill:
             r = w.req
+            assert r.seq is not None  # planned rows are running
             self.kv.advance(r.seq, len(w.tokens))
             r.feed = r.feed[len(w.tokens):]
             r.prompt_computed += len(w.tokens)
@@ -255,11 +260,12 @@ class Scheduler:
         if plan.decode:
             self.counters.decode_rounds += 1
             self.counters.decode_row_rounds += len(plan.decode)
-        for w in plan.decode:
-            res = results[w.req.rid]
-            self.kv.advance(w.req.seq, res.fed)
-            w.req.pending_token = None
-            self._commit_row(w.req, res, now)
+        for d in plan.decode:
+            res = results[d.req.rid]
+            assert d.req.seq is not None  # planned rows are running
+            self.kv.advance(d.req.seq, res.fed)
+            d.req.pending_token = None
+            self._commit_row(d.req, res, now)
 
     def _commit_row(self, r: Request, res: RowResult, now: float) -> None:
         committed, end = self._commit(r, res.tokens, res.logprobs, now)

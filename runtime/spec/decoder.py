@@ -41,11 +41,13 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
         shortlist = load_shortlist(cfg.lm_head_draft, runner.sample_vocab, eos_ids) if cfg.lm_head_draft else None
         return MTPProposer(runner, shortlist)
     if cfg.spec == "draft":
+        assert cfg.draft_model and cfg.prefill_chunk is not None  # validate() checked it; assemble() sets the chunk
         return DraftModelProposer(runner, kv.pages.num_pages, cfg.draft_model, slots=2 * cfg.max_concurrency + 1,
                                   chunk=cfg.prefill_chunk, max_batch=cfg.max_concurrency)
     if cfg.spec in ("dflash", "dflash2"):
         from .dflash import DFlashProposer
 
+        assert cfg.draft_model  # validate() checked it
         return DFlashProposer(runner, kv, cfg.draft_model, cfg.spec, lanes=cfg.max_concurrency,
                               max_batch=cfg.max_concurrency)
     raise ValueError(f"unknown speculative method {cfg.spec!r}")
@@ -90,10 +92,9 @@ class SpeculativeDecoder:
         """The scheduler kept `committed` of the round's output tokens: make the state hold exactly the
         tokens before the last of them (which is pending)."""
         st = self.states.get(req.rid)
-        rd = st.round if st is not None else None
-        if rd is None:
+        if st is None or st.round is None:
             return
-        st.round = None
+        rd, st.round = st.round, None
         self.counters.emitted_tokens += committed
         kept = committed - 1  # drafts kept (the last committed token is the correction / bonus)
         if kept == len(rd.drafts):  # the state consumed exactly what was committed
@@ -102,9 +103,10 @@ class SpeculativeDecoder:
             st.unfed = None
         else:
             if rd.snap is not None:
-                self.kv.restore_snapshot(req.seq, *rd.snap)
+                self.kv.restore_snapshot(req.live_seq, *rd.snap)
                 self.counters.rollbacks += 1
             st.unfed = rd.refed + [rd.pending] + rd.out[:kept]
+        assert rd.hidden is not None  # round() stored the verify rows
         self.proposer.after_verify(req, st, rd.hidden[: kept + 1], kept, len(rd.drafts), rd.start)
 
     def release(self, req: Request) -> None:
@@ -123,11 +125,17 @@ class SpeculativeDecoder:
         for req, _ in batch:  # a (re)admitted request's feed already holds any unfed tokens
             self.state(req).unfed = None
         if not self.proposer.wants_prefill_hidden:
-            return self.runner.prefill([(req.seq, t) for req, t in batch])
-        starts = [req.seq.length for req, _ in batch]
-        logits, hidden = self.runner.prefill_h([(req.seq, t) for req, t in batch], **self.hidden_kw)
+            return self.runner.prefill([(req.live_seq, t) for req, t in batch])
+        starts = [req.live_seq.length for req, _ in batch]
+        logits, hidden = self.runner.prefill_h([(req.live_seq, t) for req, t in batch], **self.hidden_kw)
         self.proposer.after_prefill([(req, self.state(req), s, h) for (req, _), s, h in zip(batch, starts, hidden)])
         return logits
+
+    def _record(self, req: Request) -> RoundRecord:
+        """The record of req's round in progress (round() opens one for every row first)."""
+        rd = self.state(req).round
+        assert rd is not None
+        return rd
 
     def _choose(self, req: Request, logits_row: np.ndarray, j: int) -> int:
         t, q = choose_draft(req.row, logits_row)
@@ -141,27 +149,29 @@ class SpeculativeDecoder:
             self.before_round()
         for w in work:
             st = self.state(w.req)
+            seq = w.req.live_seq
             st.qs = []
             snap: Optional[tuple[int, int]] = None
             if w.draft:
-                slot = self.kv.snapshot_state(w.req.seq)
+                slot = self.kv.snapshot_state(seq)
                 if slot is None:
                     w.draft = 0
                 else:
-                    snap = (slot, w.req.seq.length)
+                    snap = (slot, seq.length)
             st.round = RoundRecord(refed=w.feed[:-1], pending=w.feed[-1], drafts=[], out=[],
-                                   start=w.req.seq.length + len(w.feed) - 1, snap=snap)
+                                   start=seq.length + len(w.feed) - 1, snap=snap)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
         if drafting:
             for (req, st, _), d in zip(drafting, self.proposer.propose(drafting, self._choose)):
+                assert st.round is not None  # opened above for every row
                 st.round.drafts = d
                 req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
-        logits, hidden = self.runner.verify([(w.req.seq, w.feed + self.state(w.req).round.drafts) for w in work],
+        logits, hidden = self.runner.verify([(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work],
                                             **self.hidden_kw)
         results = {}
         for w, lg, hd in zip(work, logits, hidden):
             req, st = w.req, self.state(w.req)
-            rd = st.round
+            rd = self._record(req)
             n_re = len(rd.refed)
             lg, rd.hidden = lg[n_re:], hd[n_re:]  # rows of the pending token and the drafts
             if req.grammar is not None:  # no drafts: the one token it samples follows the grammar

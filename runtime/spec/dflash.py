@@ -150,9 +150,10 @@ class DFlashProposer:
             k = min(k, self.block - 1)
             block = logits[row: row + k]
             if self.selector is not None:
+                assert sel is not None  # a DFlash2 drafter returns the selector's hidden rows
                 drafts[i] = self.selector.walk(block, sel[row: row + k], st.round.pending,
-                                               lambda j, r, req=req: choose(req, r, j),
-                                               lambda r, req=req: penalised_logits(r, req.params, req.row))
+                                               lambda j, r: choose(req, r, j),  # called within walk()
+                                               lambda r: penalised_logits(r, req.params, req.row))
             else:
                 drafts[i] = [choose(req, block[j], j) for j in range(k)]
             row += k

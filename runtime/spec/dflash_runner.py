@@ -139,7 +139,8 @@ class DrafterRunner:
         positions start..start+B-1. Returns logits of the first k mask rows of each block, in order
         ([sum k, V] fp32) and, for DFlash2, the selector's projected hidden of those rows."""
         B, mask = self.block, self.cfg.mask_token_id
-        seqs, starts, tokens, rows, attn_pos, kv_rows = [], [], [], [], [], []
+        seqs, starts, tokens, attn_pos, kv_rows = [], [], [], [], []
+        rows: list[int] = []
         for i, (seq, _lane, start, anchor, _ring_lo, k) in enumerate(items):
             if start + B > len(seq.pages) * self.target.page_size:
                 raise ValueError(f"drafter block at {start} lies beyond the sequence's pages")

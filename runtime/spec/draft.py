@@ -70,7 +70,7 @@ class DraftModelProposer:
         first = {}
         while todo:  # chunked catch-up; the final chunk's last row gives draft 1
             batch = [(i, f[: self.chunk]) for i, f in todo.items()]
-            seqs = [items[i][1].draft_seq for i, _ in batch]
+            seqs: list[SeqKV] = [items[i][1].draft_seq for i, _ in batch]
             out = self.dr.prefill([(s, t) for s, (_, t) in zip(seqs, batch)])
             for s, (i, t), lg in zip(seqs, batch, out):
                 self.kv.advance(s, len(t))
@@ -90,7 +90,7 @@ class DraftModelProposer:
             live = [i for i in live if items[i][2] > j and items[i][1].draft_snap is not None]
             if not live:
                 break
-            seqs: list[SeqKV] = [items[i][1].draft_seq for i in live]
+            seqs = [items[i][1].draft_seq for i in live]
             lg = self.dr.decode(seqs, [drafts[i][-1] for i in live])
             for s in seqs:
                 self.kv.advance(s, 1)

@@ -110,7 +110,9 @@ def _dev_src(body: str, guard: bool = False) -> str:
     # the markers let the CPU emulator (compile/kernels/cuda/emulate) swap these for its own versions. guard: an include guard
     # (named after the first function) so that several kernels' sources (prefill_source) may carry it
     if guard:
-        name = re.search(r"(ninfer_attn_\w+)\(", body).group(1).upper()
+        m = re.search(r"(ninfer_attn_\w+)\(", body)
+        assert m is not None, "a guarded source defines a ninfer_attn_ function"
+        name = m.group(1).upper()
         body = "#ifndef " + name + "_DEFINED\n#define " + name + "_DEFINED\n" + body.strip() + "\n#endif"
     return "\n// NINFER_ATTN_DEV_BEGIN\n" + body.strip() + "\n// NINFER_ATTN_DEV_END\n"
 
@@ -237,7 +239,7 @@ def _pow2_floor(x: int) -> int:
     return 1 << (max(int(x), 1).bit_length() - 1)
 
 
-def _pow2_div(x: int, cap: int) -> int:
+def _pow2_div(x: int, cap: float) -> int:
     """Largest power of two <= cap dividing x."""
     v = 1
     while v * 2 <= cap and x % (v * 2) == 0:
@@ -271,7 +273,7 @@ def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: 
         return dict(group=group, DL=DL, W=W, NT=32 * W, mode="mma", vec=8, qb=16,
                     esize={"nvfp4": 0.5, "fp8": 1}.get(kv_dtype, 2), min_blocks=max(1, 8 // W))
     if kv_dtype in ("float32", "bfloat16", "float16"):
-        esize = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
+        esize: float = {"float32": 4, "bfloat16": 2, "float16": 2}[kv_dtype]
         mode = "vec"
         vec = _pow2_div(DL, 16 // esize)
         raw_words = DL * esize / 4

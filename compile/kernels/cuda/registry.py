@@ -15,12 +15,13 @@ import os
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, sampling
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
-DEFAULT_KERNELS = {
+DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     "paged_attention": {"threads": 128, "target_blocks": 264},
     "causal_conv": {"threads": 256},
     # mma: None = tensor cores (mma.sync tf32) where the geometry allows; mma_tile: value columns per block

@@ -178,14 +178,15 @@ def case_tokens(m: dict):
     rows, need = m["rows"], m["need"]
     perm = rng.permutation(m["npages"]).astype(np.int32)
     pt = np.zeros((len(rows), m["width"]), np.int32)
-    used, pos, tseq = 0, [], []
+    used = 0
+    pos: list[int] = []
+    tseq: list[int] = []
     for r, (old, cnt) in enumerate(rows):
         pt[r, :need[r]] = perm[used:used + need[r]]
         used += need[r]
         pos += range(old, old + cnt)
         tseq += [r] * cnt
-    pos, tseq = np.asarray(pos, np.int32), np.asarray(tseq, np.int32)
-    return pos, tseq, pt
+    return np.asarray(pos, np.int32), np.asarray(tseq, np.int32), pt
 
 
 def case_qkv(m: dict):

@@ -7,6 +7,7 @@ reference. Numpy only at module level.
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import numpy as np
 
@@ -114,7 +115,7 @@ def emulate_case(lib, symbol: str, K: int, O: int, epilogue: str, dtype: str, ou
     the rel_err vs the numpy reference (inf: NaN / an unwritten output)."""
     rng = np.random.default_rng(seed)
     OO = O // 2 if epilogue == "silu_mul" else O
-    arrays = {}
+    arrays: dict[str, np.ndarray] = {}
     if weight == "nvfp4":
         codes, scales, g = nvfp4_weights(rng, O, K)
         arrays.update(w=codes, ws=scales, ws2=g)
@@ -138,7 +139,8 @@ def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[di
 
     cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
     ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
-    funcs, meta = {}, []
+    funcs = {}
+    meta: list[tuple[str, int, int, str, str, str, dict, Optional[str]]] = []  # the last: weight format
     for i, (k, o, ep, dt, odt, prm) in enumerate(cases):
         sym = f"emu{i}_" + G.symbol(k, o, dt, odt, ep)
         funcs[sym] = G.gemv(k, o, dt, odt, ep, **{**default_params(), **prm}).with_attr("global_symbol", sym)

@@ -100,7 +100,7 @@ class HostProgram:
         for s in stmts:
             if isinstance(s, ast.With):
                 ctx = s.items[0].context_expr
-                if (_call_name(ctx) == "attr" and ctx.args and isinstance(ctx.args[0], ast.Dict)
+                if (isinstance(ctx, ast.Call) and _call_name(ctx) == "attr" and ctx.args and isinstance(ctx.args[0], ast.Dict)
                         and any(_const(k) == "compute_scope" for k in ctx.args[0].keys)):
                     return s.body
                 inner = cls._compute_scope(s.body)
@@ -115,7 +115,7 @@ class HostProgram:
     def kernel_names(self, func: str) -> list[str]:
         """Every kernel the host function may launch (all branches), in source order."""
         return [_const(n.args[0]) for s in self.bodies[func] for n in ast.walk(s)
-                if _call_name(n) == "call_ffi_kernel"]
+                if isinstance(n, ast.Call) and _call_name(n) == "call_ffi_kernel"]
 
     def launches(self, func: str, env: dict, buffers: dict) -> list[tuple[str, list, dict]]:
         """[(kernel, argument values, {launch param: extent})] of prim_func `func` in launch order.
