@@ -453,6 +453,7 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
     # (the 16-bit pages' source stays byte-identical: an older build of it may share a module, by name)
     qpool = "\n  const unsigned char* qpool = (const unsigned char*)poolv;" if quant else ""
     if quant:
+        assert kv_dtype is not None  # quant implies an fp8 / nvfp4 kv_dtype
         qtile = _quant_tile_src(kv_dtype, D, PS, HKV, NL, pack_fn)
         first_tile = """    qload(0);
     qstore(0);"""
