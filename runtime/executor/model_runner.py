@@ -120,8 +120,8 @@ class ModelRunner:
         total = rows * 32 * width
         extras = self.manifest.extras
         if extras.get("weight_quant") == "nvfp4" and not extras.get("fp4_mma"):
-            packed = sorted((int(np.prod(shape)) for _, shape, dtype in self.manifest.params if str(dtype) == "uint8"),
-                            reverse=True)[:2]
+            packed = sorted((int(np.prod(shape)) for _, shape, dtype in self.manifest.params  # expert stacks (3-D)
+                             if str(dtype) == "uint8" and len(shape) == 2), reverse=True)[:2]  # dequantize in registers
             total += sum(4 * n for n in packed)  # two fp4 codes per byte -> 2 bf16 bytes each
         return total
 
