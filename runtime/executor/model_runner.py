@@ -101,9 +101,7 @@ class ModelRunner:
         if name not in self.page_pools:
             pool = self.tvm.runtime.empty((self.num_pages,) + tuple(page_shape), dtype, self.dev)
             self.page_pools[name] = (pool, tuple(page_shape), dtype)
-            zero = np.zeros(page_shape, np_dtype(dtype))  # a position never written must read finite values
-            for p in range(self.num_pages):
-                self.pool_page_view(name, p).copyfrom(zero)
+            self._zero_pool(pool, tuple(page_shape), np_dtype(dtype))  # a position never written reads finite values
         return self.page_pools[name][0]
 
     def pool_page_view(self, name: str, page: int):
@@ -146,9 +144,7 @@ class ModelRunner:
         self._np_kv, self._np_conv = np_dtype(lay.kv_dtype), np_dtype(lay.state_dtype)
         if self.has_mtp:
             self.mtp_kv_pool = empty((num_pages,) + lay.mtp_page, lay.kv_dtype, self.dev)
-            zero = np.zeros(lay.mtp_page, self._np_kv)  # a position the head never wrote must read finite values
-            for p in range(num_pages):
-                self.mtp_page_view(p).copyfrom(zero)
+            self._zero_pool(self.mtp_kv_pool, lay.mtp_page, self._np_kv)  # a position the head never wrote reads finite values
         max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
@@ -164,19 +160,23 @@ class ModelRunner:
     def zero_kv(self) -> None:
         """Zero the whole KV pool once. The engine never reads a position it did not write; a harness that
         times decode over reserved-but-unwritten context does, and fresh memory may hold NaN patterns."""
-        if self.device_kind == "cuda":
-            try:
-                import torch
-                torch.from_dlpack(self.kv_pool).zero_()
-                return
-            except Exception:  # noqa: BLE001  (no torch, or a dtype it cannot view): page by page below
-                pass
-        else:
-            self.kv_pool.copyfrom(np.zeros(self.kv_shape, self._np_kv))
+        self._zero_pool(self.kv_pool, self.layout.kv_page, self._np_kv)
+
+    def _zero_pool(self, pool, page_shape: tuple, np_dt) -> None:
+        """Zero a [num_pages, *page_shape] pool: one device fill on CUDA (torch over DLPack), one copy on the
+        CPU; page by page only where torch cannot view it."""
+        if self.device_kind != "cuda":
+            pool.copyfrom(np.zeros((self.num_pages,) + tuple(page_shape), np_dt))
             return
-        zero = np.zeros(self.layout.kv_page, self._np_kv)
+        try:
+            import torch
+            torch.from_dlpack(pool).zero_()
+            return
+        except Exception:  # noqa: BLE001  (no torch, or a dtype it cannot view): page by page
+            pass
+        zero = np.zeros(page_shape, np_dt)
         for p in range(self.num_pages):
-            self.page_view(p).copyfrom(zero)
+            self._view(pool, page_shape, p, np_dt.itemsize).copyfrom(zero)
 
     @property
     def kv_shape(self) -> tuple:
