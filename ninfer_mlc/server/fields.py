@@ -14,6 +14,15 @@ _DRAIN_CAP = 256 << 20
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than any API request needs
 
 
+def _lone_surrogate(s: str) -> bool:
+    """Text that cannot be encoded as UTF-8 (a lone UTF-16 surrogate from a JSON escape)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def check_json(body: Any) -> None:
     """400 naming the field for what json.loads accepts but the rest of the server must not see: nesting
     deeper than MAX_JSON_DEPTH (recursive code downstream) and strings with lone surrogates (they cannot
@@ -22,11 +31,9 @@ def check_json(body: Any) -> None:
     while stack:
         v, path, depth = stack.pop()
         if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
+            if _lone_surrogate(v):
                 raise bad_request(f"{path or 'body'} holds a lone UTF-16 surrogate (invalid Unicode text)",
-                                  param=path or None, code="invalid_json") from None
+                                  param=path or None, code="invalid_json")
             continue
         if isinstance(v, (dict, list)):
             if depth >= MAX_JSON_DEPTH:
@@ -35,11 +42,9 @@ def check_json(body: Any) -> None:
             items = v.items() if isinstance(v, dict) else enumerate(v)
             for k, x in items:
                 if isinstance(k, str):
-                    try:
-                        k.encode("utf-8")
-                    except UnicodeEncodeError:
+                    if _lone_surrogate(k):
                         raise bad_request(f"a key of {path or 'body'} holds a lone UTF-16 surrogate",
-                                          param=path or None, code="invalid_json") from None
+                                          param=path or None, code="invalid_json")
                     sub = f"{path}.{k}" if path else k
                 else:
                     sub = f"{path}[{k}]"
