@@ -34,7 +34,7 @@ def host_tier_mib(cfg: EngineConfig, runner: ModelRunner) -> float:
     """The host tier's ceiling in MiB: cfg.host_kv_mib, or by default (None) a quarter of the RAM available now
     on CUDA (at least the host state-slot floor + 1 GiB: a 27B model's 8 slots alone are 1.2 GB) and 1024 on the
     CPU, where host and device memory are the same RAM. 0 = no host tier."""
-    floor_mib = cfg.host_state_slots * (runner.conv_slot_bytes + runner.ssm_slot_bytes) / 2**20
+    floor_mib = cfg.host_state_slots * runner.layout.state_slot_bytes / 2**20
     least_mib = floor_mib + 4 * runner.page_bytes / 2**20  # the slot floor and a few pages
     if cfg.host_kv_mib is not None:
         if 0 < cfg.host_kv_mib < least_mib:

@@ -179,7 +179,7 @@ def test_host_tier_size_too_small_names_the_setting():
     from ninfer_mlc.runtime.executor.model_runner import ModelRunner
 
     runner = ModelRunner(ART)
-    slot_mib = (runner.conv_slot_bytes + runner.ssm_slot_bytes) / 2**20
+    slot_mib = runner.layout.state_slot_bytes / 2**20
     with pytest.raises(ConfigError) as e:
         host_tier_mib(EngineConfig(host_kv_mib=slot_mib, host_state_slots=4), runner)
     assert e.value.field == "host_kv_mib" and "host state slots" in str(e.value)
