@@ -76,8 +76,10 @@ def _fit_tokens(runner_kv_bytes_per_token: float, reserve_bytes: int) -> int | N
 
 def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ctxs: list[int], steps: int = 8,
                 warm: int = 3, prefill_chunk: int = 512, rates: bool = True, reserve_gib: float = 8.0,
-                budget_s: float = 1e9) -> dict:
-    """Harness decode step times and prefill times for the given shapes, with floors (see module doc)."""
+                budget_s: float = 1e9, profile: bool = False) -> dict:
+    """Harness decode step times and prefill times for the given shapes, with floors (see module doc).
+    profile: also a CUPTI kernel breakdown (gpu_bench._profile) of one decode step per shape and of the
+    first prefill chunk per context, under res["profile"]."""
     from ninfer_mlc.contract.manifest import read_manifest
     from ninfer_mlc.runtime.harness import Harness
 
@@ -122,6 +124,9 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
         for _ in range(steps):
             logits = h.decode(seqs, rng.integers(0, vocab, b).tolist())
         dt = (time.perf_counter() - ts) / steps
+        if profile:
+            res.setdefault("profile", []).append(_profile(
+                lambda: h.decode(seqs, rng.integers(0, vocab, b).tolist()), f"decode ctx={ctx} b={b}"))
         for s in seqs:
             h.free_seq(s)
         byts, floor = decode_floor_s(facts, b, ctx, bw)
@@ -152,6 +157,11 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
             out = h.prefill([(s, toks[c0:c0 + prefill_chunk])])
         dt = time.perf_counter() - ts
         h.free_seq(s)
+        if profile:
+            s = h.new_seq()
+            res.setdefault("profile", []).append(_profile(
+                lambda: h.prefill([(s, toks[:prefill_chunk])]), f"prefill chunk {min(n, prefill_chunk)}"))
+            h.free_seq(s)
         fl = prefill_flops(facts, n, mm)
         floor = fl / rate if rate else None
         res["prefill"].append({"context": n, "seconds": round(dt, 4), "tok_s": round(n / dt, 2), "flops": fl,
@@ -161,6 +171,14 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
         print(f"harness prefill {n}: {dt:.3f} s", flush=True)
     res["wall_s"] = round(time.perf_counter() - t0, 3)
     return res
+
+
+def _profile(fn, label: str) -> dict:
+    """CUPTI kernel times of one call (bench/gpu_bench.py's breakdown by kernel category)."""
+    import torch
+    from gpu_bench import _profile as cupti_profile
+
+    return cupti_profile(torch, fn, label, top=40)
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -185,11 +203,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rates", action="store_true", help="skip the torch copy/matmul rates (floors null)")
     ap.add_argument("--reserve-gib", type=float, default=8.0, help="device memory left beside weights and KV")
     ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of each shape (needs torch)")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args(argv)
     res = run_harness(a.model, parse_shapes(a.decode), [int(x) for x in a.prefill.split(",") if x.strip()],
                       a.steps, prefill_chunk=a.prefill_chunk, rates=not a.no_rates, reserve_gib=a.reserve_gib,
-                      budget_s=a.budget_s)
+                      budget_s=a.budget_s, profile=a.profile)
     write_json(a.output, res)
     print(json.dumps(res))
     return 0
