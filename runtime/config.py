@@ -52,7 +52,8 @@ class EngineConfig:
     prefix_reuse: bool = _f(True, "prefix caching, turn checkpoints and the host tier",
                             off_help="no prefix caching, turn checkpoints or host tier")
     device_state_slots: Optional[int] = _f(None, "device state slots for cached checkpoints beyond the active "
-                                                 "lanes (default: max-concurrency)", metavar="N")
+                                                 "lanes (default: 2 x max-concurrency: a turn leaves a frontier and "
+                                                 "a checkpoint per session)", metavar="N")
     host_kv_mib: Optional[float] = _f(None, "ceiling of the host tier (pinned KV pages + state slots), MiB; "
                                             "0 = no host tier", metavar="MIB",
                                       default_text="a quarter of the RAM available at start on CUDA (at least the "
@@ -173,7 +174,7 @@ class EngineConfig:
         """Device state slots that hold cached execution points (0 without prefix reuse)."""
         if not self.prefix_reuse:
             return 0
-        return self.max_concurrency if self.device_state_slots is None else self.device_state_slots
+        return 2 * self.max_concurrency if self.device_state_slots is None else self.device_state_slots
 
     @property
     def device_slots(self) -> int:

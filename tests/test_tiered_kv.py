@@ -178,6 +178,32 @@ def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
     np.testing.assert_array_equal(got, want)
 
 
+def test_slot_for_a_hit_never_moves_the_hit_and_moves_the_fewest_bytes():
+    """Both state slots held by cached entries: admitting a request that extends the long one claims it first,
+    then frees a slot by demoting the short entry (not the long prefix about to be restored, which the
+    old order demoted to the host and copied straight back)."""
+    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=2)
+    host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
+    cache = PrefixCache()
+    kv = runner.attach(cache, host)
+    seed = identity_seed("x")
+    rng = np.random.default_rng(2)
+    long_t, short_t = rng.integers(0, 1900, size=300).tolist(), rng.integers(0, 1900, size=20).tolist()
+    for toks in (long_t, short_t):
+        s = runner.new_seq()
+        runner.prefill([(s, toks)])
+        kv.release(s, toks, seed, None)
+    assert kv.slots.free_slots == 0
+    long_e = next(e for e in cache.entries.values() if e.length == 300)
+    short_e = next(e for e in cache.entries.values() if e.length == 20)
+    seq = kv.admit(long_t + [1, 2, 3], seed, None, max_reuse=302)
+    assert seq is not None and seq.length == 300
+    assert kv.stats["restores_device"] == 1 and kv.stats["restores_host"] == 0
+    assert long_e.tier == "device" and short_e.tier == "host"
+    assert kv.stats["spill_pages"] == len(short_e.host_alloc.pages()) == 1
+    assert not kv.audit(live=(seq,))
+
+
 def test_claimed_entry_cannot_be_moved():
     cache = PrefixCache()
     e = cache.add("frontier", [1, 2, 3], 0, None, slot=0, pages=[0])

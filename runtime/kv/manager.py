@@ -65,7 +65,8 @@ class KVManager:
             if self.cache is None:
                 return False
             entries = self.cache.device_entries()
-            if not any(self.demote(e) for e in self.planner.demotion_order(entries)):
+            order = self.planner.demotion_order(entries, pages_short=self.pages.free_pages < pages)
+            if not any(self.demote(e) for e in order):
                 victim = self.planner.eviction_victim(entries)
                 if victim is None:
                     return False
@@ -165,27 +166,33 @@ class KVManager:
 
     def admit(self, tokens, seed: int, session_key: Optional[str], max_reuse: int) -> Optional[SeqKV]:
         """A sequence restored from the longest cached prefix of `tokens` (at most max_reuse tokens),
-        or an empty one; None when no state slot can be freed."""
-        seq = self.new_seq()
-        if seq is None or self.cache is None or max_reuse <= 0:
-            return seq
+        or an empty one; None when no state slot can be freed. The prefix is claimed before the new
+        sequence's slot is taken, so making room for that slot never demotes or evicts the very entry
+        about to be restored."""
+        if self.cache is None or max_reuse <= 0:
+            return self.new_seq()
         for _ in range(3):  # a lost seal race re-assesses
             m = self.cache.lookup(tokens, seed, session_key, max_len=max_reuse)
             if m is None:
-                return seq
-            if self.cache.claim(m):
-                ok = False
+                break
+            if not self.cache.claim(m):
+                continue
+            ok = False
+            try:
+                seq = self.new_seq()
+                if seq is None:
+                    return None
                 try:
                     ok = self._restore(m, seq)
                 except Exception:  # a failed copy costs a recompute, never the request or the memory
                     self.stats["restore_failures"] += 1
                     log.exception("restoring a cached prefix of %d tokens failed; recomputing it", m.length)
-                finally:
-                    self.cache.release_claim(m.entry, hit=ok)
                 if not ok:
                     self._reset(seq)
                 return seq
-        return seq
+            finally:
+                self.cache.release_claim(m.entry, hit=ok)
+        return self.new_seq()
 
     def _reset(self, seq: SeqKV) -> None:
         """Back to an empty sequence after a refused or failed restore (pages given back, state zeroed)."""

@@ -3,7 +3,9 @@
 Mechanism (moving bytes, freeing pages) lives in the KV manager; this module only ranks. A cached
 owner is a prefix-cache entry nobody has claimed. Re-prefilling an entry costs its linear GEMM work
 plus the quadratic attention part, so the expensive ones are worth a trip to the host and the cheap
-ones are evicted.
+ones are evicted. When only state slots run short, the entry that frees a slot for the fewest bytes
+moved goes first: demoting a 100k-token prefix (gigabytes over PCIe, and back on its next hit) to
+free one state slot would cost more than it saves.
 """
 from __future__ import annotations
 
@@ -20,10 +22,15 @@ def reprefill_cost(tokens: int) -> float:
 
 
 class PressurePlanner:
-    def demotion_order(self, device_entries: Sequence[Entry]) -> list[Entry]:
-        """Unclaimed device entries worth demoting, most expensive first."""
+    def demotion_order(self, device_entries: Sequence[Entry], pages_short: bool = True) -> list[Entry]:
+        """Unclaimed device entries worth demoting: most expensive to recompute first when pages are short
+        (they free the most pages and are worth keeping); fewest pages, then least recently used, first
+        when only a state slot is needed."""
         free = [e for e in device_entries if not e.claimed]
-        free.sort(key=lambda e: reprefill_cost(e.length), reverse=True)
+        if pages_short:
+            free.sort(key=lambda e: reprefill_cost(e.length), reverse=True)
+        else:
+            free.sort(key=lambda e: (len(e.pages), e.last_used))
         return free[:DEMOTE_TRIES]
 
     def eviction_victim(self, device_entries: Sequence[Entry]) -> Optional[Entry]:
