@@ -295,3 +295,35 @@ def test_mtp_acceptance_after_host_restore_equals_device_restore():
     out_s, fin_s, st_s, dr_s = _spec_restore_session(384, stale_mtp=True)
     assert st_s["restores_host"] == 1 and out_s == out_d
     assert dr_s != dr_d
+
+
+# ---- which cached entries are redundant under pressure (planner policy) --------------------------------
+def _entry(eid, kind, toks, created, session="s", seed=7):
+    from ninfer_mlc.runtime.kv.prefix_cache import Entry
+    return Entry(eid, kind, np.asarray(toks, np.int32), seed, 0, session, created=created, last_used=created)
+
+
+def test_redundant_entries_of_an_agent_session():
+    from ninfer_mlc.runtime.kv.planner import PressurePlanner, redundant
+
+    hist = list(range(1000))
+    c1 = _entry(1, "checkpoint", hist[:600], 1.0)
+    f1 = _entry(2, "frontier", hist[:600] + [5000 + i for i in range(100)], 2.0)  # + reasoning and answer
+    # while the session waits: the checkpoint (which the next turn needs) is kept although f1 extends it; f1 is
+    # kept too (it is not 90 % checkpoint)
+    assert not redundant(c1, [c1, f1]) and not redundant(f1, [c1, f1])
+    # next turn: the client dropped the reasoning; its checkpoint extends c1, and f1 diverged after 600 tokens
+    c2 = _entry(3, "checkpoint", hist[:600] + [7000, 7001] + hist[600:900], 3.0)
+    assert redundant(c1, [c1, f1, c2]) and redundant(f1, [c1, f1, c2]) and not redundant(c2, [c1, f1, c2])
+    # another session's frontier sharing only a system prompt is not stale for this one
+    other = _entry(4, "frontier", hist[:100] + [9] * 400, 0.5, session="t")
+    assert not redundant(other, [c1, f1, c2, other])
+    # a different identity (template mode / media) never makes an entry redundant
+    c2b = _entry(5, "checkpoint", c2.tokens, 3.0, seed=8)
+    assert not redundant(c1, [c1, c2b])
+    # a frontier that its own checkpoint holds >= 90 % of costs at most its tail
+    f2 = _entry(6, "frontier", list(c2.tokens) + [1, 2, 3], 4.0)
+    assert redundant(f2, [c2, f2])
+    # the victim is the least recently used redundant unclaimed entry
+    f1.claimed = 1
+    assert PressurePlanner().redundant_victim([c1, f1, c2], [c1, f1, c2]) is c1

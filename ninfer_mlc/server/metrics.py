@@ -25,7 +25,7 @@ _COUNTERS: dict[str, set] = {
     "state_transfers": {"*"},
     "pressure": {"spill_pages", "partial_tail_cow_pages", "private_owners_demoted", "private_owners_evicted",
                  "host_owners_evicted", "owners_evicted_total", "checkpoints_taken", "checkpoints_dropped",
-                 "restores_device", "restores_host", "planner_runs", "demote_failures"},
+                 "restores_device", "restores_host", "planner_runs", "demote_failures", "redundant_evicted"},
     "memory": {"allocations", "allocation_refusals", "scatter_allocations", "fragmented_misses", "grows",
                "grow_refusals", "state_grows"},
     "spec": {"draft_n", "draft_n_accepted", "rounds", "row_rounds", "emitted_tokens", "verify_tokens",

@@ -150,7 +150,8 @@ SPEC_EXTRA_KEYS = ("draft_tokens_max", "rounds", "row_rounds", "emitted_tokens",
                    "recompute_tokens", "rollbacks", "no_draft_rounds")
 PRESSURE_PLANNER_KEYS = ("spill_pages", "partial_tail_cow_pages", "private_owners_demoted", "private_owners_evicted",
                          "host_owners_evicted", "owners_evicted_total", "checkpoints_taken", "checkpoints_dropped",
-                         "restores_device", "restores_host", "restore_failures", "planner_runs", "demote_failures")
+                         "restores_device", "restores_host", "restore_failures", "planner_runs", "demote_failures",
+                         "redundant_evicted")
 GRAPH_KEYS = ("replays", "captures", "eager", "capture_failures", "evictions")
 
 

@@ -48,7 +48,8 @@ class KVManager:
         self.stats = {"private_owners_demoted": 0, "private_owners_evicted": 0, "host_owners_evicted": 0,
                       "owners_evicted_total": 0, "spill_pages": 0, "partial_tail_cow_pages": 0,
                       "checkpoints_taken": 0, "checkpoints_dropped": 0, "restores_device": 0, "restores_host": 0,
-                      "planner_runs": 0, "demote_failures": 0, "restore_failures": 0}
+                      "planner_runs": 0, "demote_failures": 0, "restore_failures": 0,
+                      "redundant_evicted": 0}
 
     def pages_for(self, tokens: int) -> int:
         return self.pages.pages_for(tokens)
@@ -65,6 +66,11 @@ class KVManager:
             if self.cache is None:
                 return False
             entries = self.cache.device_entries()
+            waste = self.planner.redundant_victim(entries, list(self.cache.entries.values()))
+            if waste is not None:
+                self.stats["redundant_evicted"] += 1
+                self.evict(waste)
+                continue
             order = self.planner.demotion_order(entries, pages_short=self.pages.free_pages < pages)
             if not any(self.demote(e) for e in order):
                 victim = self.planner.eviction_victim(entries)
@@ -116,7 +122,12 @@ class KVManager:
 
     def _evict_cheaper_host(self, than: Entry) -> bool:
         assert self.cache is not None  # only demotions of cache entries get here
-        victim = self.planner.host_victim(self.cache.host_entries(), than)
+        host_entries = self.cache.host_entries()
+        victim = self.planner.redundant_victim(host_entries, list(self.cache.entries.values()))
+        if victim is not None:
+            self.stats["redundant_evicted"] += 1
+        else:
+            victim = self.planner.host_victim(host_entries, than)
         if victim is None:
             return False
         self.evict(victim)

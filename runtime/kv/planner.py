@@ -1,15 +1,18 @@
 """Pressure policy: which cached owners leave the device when pages or slots run short.
 
 Mechanism (moving bytes, freeing pages) lives in the KV manager; this module only ranks. A cached
-owner is a prefix-cache entry nobody has claimed. Re-prefilling an entry costs its linear GEMM work
-plus the quadratic attention part, so the expensive ones are worth a trip to the host and the cheap
-ones are evicted. When only state slots run short, the entry that frees a slot for the fewest bytes
-moved goes first: demoting a 100k-token prefix (gigabytes over PCIe, and back on its next hit) to
-free one state slot would cost more than it saves.
+owner is a prefix-cache entry nobody has claimed. Redundant entries (`redundant`: another entry serves
+what they would) are evicted first and never moved. Re-prefilling an entry costs its linear GEMM work
+plus the quadratic attention part, so when pages are short the expensive ones are worth a trip to the
+host and the cheap ones are evicted. When only a state slot is short, the entry that frees one for the
+fewest bytes moved goes first: demoting a 100k-token prefix (gigabytes over PCIe, and back on its next
+hit) to free one state slot would cost more than it saves.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
+
+import numpy as np
 
 from .prefix_cache import Entry
 
@@ -21,7 +24,52 @@ def reprefill_cost(tokens: int) -> float:
     return tokens + tokens * tokens / 8192.0
 
 
+def _covers(f: Entry, e: Entry) -> bool:
+    """f's tokens extend e's (same identity): every prompt f serves, e serves with a shorter prefix."""
+    n = e.length
+    return (f.seed == e.seed and f.length > n and n > 0 and int(f.tokens[n - 1]) == int(e.tokens[-1])
+            and np.array_equal(f.tokens[:n], e.tokens))
+
+
+def _common_prefix(a: Entry, b: Entry) -> int:
+    n = min(a.length, b.length)
+    diff = np.flatnonzero(a.tokens[:n] != b.tokens[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def redundant(e: Entry, others: Sequence[Entry]) -> bool:
+    """An entry worth less than the bytes and the slot it holds, given the others:
+      - a later entry extends it, and either it is a frontier or the later one is a checkpoint (the
+        conversation moved past it: the next turn's checkpoint covers the previous one);
+      - a frontier whose own checkpoint holds >= 90 % of it (losing it costs at most the generated tail);
+      - a frontier of a session whose later entry shares >= half of it and then diverges (the client
+        dropped the reasoning or edited the tail: the frontier cannot match that conversation again).
+    A checkpoint that only a frontier extends is kept: the next turn needs the checkpoint when the client
+    drops the frontier's reasoning."""
+    for f in others:
+        if f is e or f.seed != e.seed:
+            continue
+        later = f.created > e.created
+        if later and _covers(f, e) and (e.kind == "frontier" or f.kind == "checkpoint"):
+            return True
+        if e.kind != "frontier":
+            continue
+        if f.kind == "checkpoint" and f.length >= 0.9 * e.length and _covers(e, f):
+            return True
+        if (later and e.session_key and f.session_key == e.session_key and not _covers(f, e)
+                and _common_prefix(e, f) >= e.length // 2):
+            return True
+    return False
+
+
 class PressurePlanner:
+    def redundant_victim(self, candidates: Sequence[Entry], everything: Sequence[Entry]) -> Optional[Entry]:
+        """The least recently used unclaimed candidate that `redundant` finds (evicted, never moved)."""
+        for e in sorted((c for c in candidates if not c.claimed), key=lambda c: c.last_used):
+            if redundant(e, everything):
+                return e
+        return None
+
     def demotion_order(self, device_entries: Sequence[Entry], pages_short: bool = True) -> list[Entry]:
         """Unclaimed device entries worth demoting: most expensive to recompute first when pages are short
         (they free the most pages and are worth keeping); fewest pages, then least recently used, first
