@@ -107,6 +107,10 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
 
     for ctx, b in decode_shapes:
         pages = b * -(-(ctx + steps + warm + 1) // h.page_size)
+        if ctx + steps + warm + 1 > man.max_context:
+            res["skipped"].append({"kind": "decode", "context": ctx, "batch": b,
+                                   "why": f"past the compiled max_context {man.max_context}"})
+            continue
         if pages > h.kv.pages.free_pages:
             res["skipped"].append({"kind": "decode", "context": ctx, "batch": b,
                                    "why": f"pool: needs {pages} pages, {h.kv.pages.free_pages} free"})
@@ -144,6 +148,9 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
         h.prefill([(s, rng.integers(0, vocab, min(64, prefill_chunk)).tolist())])
         h.free_seq(s)
     for n in prefill_ctxs:
+        if n + 1 > man.max_context:
+            res["skipped"].append({"kind": "prefill", "context": n, "why": f"past the compiled max_context {man.max_context}"})
+            continue
         if -(-n // h.page_size) > h.kv.pages.free_pages:
             res["skipped"].append({"kind": "prefill", "context": n, "why": "pool"})
             continue
