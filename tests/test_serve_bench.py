@@ -108,6 +108,8 @@ def test_agent_replay_against_server(server, tmp_path):
         assert t["error"] is None and t["prompt_tokens_match"] and t["completion_tokens"] == 4
         assert t["ttft_s"] > 0 and t["new_tokens"] > 0
         assert t["cached_tokens"] + t["computed_tokens"] == t["prompt_tokens"]
+        assert 0 <= t["admit_ms"] <= t["queue_ms"] and 0 <= t["lane_wait_s"] <= t["queue_ms"] / 1000 + 1e-3
+        assert t["ttft_service_s"] == pytest.approx(t["ttft_s"] - t["lane_wait_s"], abs=1e-3)
         by_session.setdefault(t["session"], []).append(t)
         if t["turn"] > 0:
             # a tool-call turn appends to the history: everything before its first new template turn is reused

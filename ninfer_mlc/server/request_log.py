@@ -95,6 +95,7 @@ class RequestLogger:
             "cached_tokens": int(_num(cached_tokens if cached_tokens is not None
                                       else u.get("cached_tokens", t.get("cache_n")))),
             "queue_ms": _num(t.get("queue_ms"), 0.0),
+            "admit_ms": _num(t.get("admit_ms"), 0.0),
             "prompt_ms": _num(t.get("prompt_ms"), 0.0),
             "predicted_ms": _num(t.get("predicted_ms"), 0.0),
             "prompt_per_second": _num(t.get("prompt_per_second"), 0.0),

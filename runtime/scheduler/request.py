@@ -74,6 +74,7 @@ class Request:
         # timings
         self.t_submit = time.monotonic()
         self.t_admit = 0.0
+        self.admit_ms = 0.0  # first admission's KV work: prefix lookup, restore, room made for it
         self.t_first = 0.0
         self.t_prefill_done = 0.0
         self.prompt_computed = 0

@@ -179,6 +179,7 @@ class Scheduler:
             if self.running and self.kv.pages_for(len(history) + 1) > self.kv.reclaimable_pages():
                 return  # admitting it now would only preempt a running request (and be preempted back)
             resumed = r.pending_token is not None
+            t_kv = time.monotonic()
             seq = self.kv.admit(r.cache_keys(history), r.identity, r.req.session_key,
                                 max_reuse=len(history) if resumed else len(history) - 1)
             if seq is None:
@@ -191,6 +192,7 @@ class Scheduler:
                 r.cached_tokens = seq.length
                 r.checkpoints = self._checkpoints(r.req.prompt_ids, seq.length)
                 r.t_admit = time.monotonic()
+                r.admit_ms = (r.t_admit - t_kv) * 1000
                 r.sink.cached_tokens = seq.length
                 q_ms = (r.t_admit - r.t_submit) * 1000
                 self.counters.queue_time_ms_last = q_ms
@@ -367,7 +369,7 @@ class Scheduler:
             "prompt_per_second": round(r.prompt_computed / prompt_ms * 1000, 3) if prompt_ms > 0 else 0.0,
             "predicted_n": n_out, "predicted_ms": round(pred_ms, 3),
             "predicted_per_second": round((n_out - 1) / pred_ms * 1000, 3) if pred_ms > 0 and n_out > 1 else 0.0,
-            "queue_ms": round(((r.t_admit or end) - r.t_submit) * 1000, 3),
+            "queue_ms": round(((r.t_admit or end) - r.t_submit) * 1000, 3), "admit_ms": round(r.admit_ms, 3),
             "draft_n": r.draft_n, "draft_n_accepted": r.draft_accepted,
         }
         forced = getattr(getattr(self.spec, "forced", None), "tokens_per_round", None)
