@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -47,6 +47,7 @@ for step in "$@"; do
     moe) [ -d .gpu/moe ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check .gpu/moe $OUT/moe_check.json
          run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels .gpu/moe $OUT/moe_kernels.json
          run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench .gpu/moe $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
+    script) run ${SCRIPT_NAME:-script} ${SCRIPT_TIMEOUT:-300} python3 $SCRIPT ;;  # SCRIPT="path/to/x.py args" (with SNAP=dir: a branch's package)
     moebench) [ -d ${MOE_DIR:-.gpu/moe} ] && run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench ${MOE_DIR:-.gpu/moe} $OUT/moe_bench.json ${MOE_BENCH_ARGS:-} ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)
