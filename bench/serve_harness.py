@@ -31,30 +31,54 @@ from serve_common import device_rates, write_json  # noqa: E402
 def model_facts(runner) -> dict:
     """Bytes and FLOP counts of the artifact the floors need, from its manifest and pool layout.
     Matmul parameters are the 2-D projection weights (NVFP4 codes hold two per byte) without the
-    embedding, lm_head and MTP head; a decode step reads every weight but the embedding and MTP head."""
+    embedding, lm_head and MTP head; a decode step reads every weight but the embedding and MTP head.
+    MoE (stacked `.experts.` tensors [E (+1 shared), ...]): a step reads only the experts its rows select
+    (decode_floor_s), and a token's matmul work counts its top-k experts and the shared one."""
     m, cfg = runner.manifest, runner.cfg
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1, "int8": 1, "int32": 4, "uint32": 4}
-    skipped = mm_params = 0
+    skipped = mm_params = expert_bytes = expert_mm = 0
+    stack = 0
     for name, shape, dtype in m.params:
         n = int(np.prod(shape))
         if "embed_tokens" in name or name.startswith("mtp"):
             skipped += n * itemsize.get(str(dtype), 2)
+        elif ".experts." in name and len(shape) >= 2:
+            stack = int(shape[0])
+            expert_bytes += n * itemsize.get(str(dtype), 2)
+            if name.endswith("weight") and len(shape) == 3:
+                expert_mm += n // stack * (2 if str(dtype) == "uint8" else 1)
         elif (len(shape) == 2 and name.endswith("weight") and "lm_head" not in name and "norm" not in name
               and "conv1d" not in name):
             mm_params += n * (2 if str(dtype) == "uint8" else 1)
     layers = cfg.get("layer_types") or []
-    return {"weights_bytes": int(runner.weights_bytes), "embedding_and_mtp_bytes": int(skipped),
-            "weights_read_per_step": int(runner.weights_bytes - skipped), "matmul_params": int(mm_params),
-            "kv_bytes_per_token": runner.page_bytes / runner.page_size,
-            "state_bytes_per_seq": int(runner.conv_slot_bytes + runner.ssm_slot_bytes),
-            "n_attn_layers": layers.count("full_attention"),
-            "num_attention_heads": int(cfg.get("num_attention_heads", 0)), "head_dim": int(cfg.get("head_dim", 0)),
-            "dtype": m.dtype, "kv_dtype": m.kv_dtype}
+    routed, top_k = int(cfg.get("num_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+    always = max(0, stack - routed) if routed else 0  # shared experts folded into the stacks
+    facts = {"weights_bytes": int(runner.weights_bytes), "embedding_and_mtp_bytes": int(skipped),
+             "weights_read_per_step": int(runner.weights_bytes - skipped - expert_bytes),
+             "matmul_params": int(mm_params + expert_mm * (top_k + always)),
+             "kv_bytes_per_token": runner.page_bytes / runner.page_size,
+             "state_bytes_per_seq": int(runner.conv_slot_bytes + runner.ssm_slot_bytes),
+             "n_attn_layers": layers.count("full_attention"),
+             "num_attention_heads": int(cfg.get("num_attention_heads", 0)), "head_dim": int(cfg.get("head_dim", 0)),
+             "dtype": m.dtype, "kv_dtype": m.kv_dtype}
+    if expert_bytes:
+        facts.update({"expert_bytes": int(expert_bytes), "expert_stack": stack, "routed_experts": routed,
+                      "experts_per_token": top_k, "shared_experts": always})
+    return facts
+
+
+def experts_read(facts: dict, batch: int) -> float:
+    """Expected experts a decode step of `batch` rows reads: the union of the rows' top-k (uniform routing,
+    as random weights give) plus the shared ones."""
+    e, k = facts["routed_experts"], facts["experts_per_token"]
+    return e * (1 - (1 - k / e) ** batch) + facts["shared_experts"]
 
 
 def decode_floor_s(facts: dict, batch: int, ctx: int, copy_bw) -> tuple[int, object]:
     byts = int(facts["weights_read_per_step"] + batch * ctx * facts["kv_bytes_per_token"]
                + 2 * batch * facts["state_bytes_per_seq"])
+    if facts.get("expert_bytes"):
+        byts += int(facts["expert_bytes"] / facts["expert_stack"] * experts_read(facts, batch))
     return byts, (byts / copy_bw if copy_bw else None)
 
 
