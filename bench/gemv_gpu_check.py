@@ -78,19 +78,29 @@ VARIANTS = {
 # (name, K, O, epilogue) of the 27B decode projections with NVFP4 weights (bf16 activations)
 CASES_NVFP4 = [
     ("qkv", 5120, 14336, "none"),
+    ("in_proj_qkv_z", 5120, 16384, "none"),
     ("gate_up_silu", 5120, 34816, "silu_mul"),
     ("down_res", 17408, 5120, "residual"),
     ("o_proj_res", 6144, 5120, "residual"),
 ]
+# gemv_nvfp4 overrides of NVFP4_DEFAULTS (row_tiles 2, unroll 2): "old" is the previous default (a warp per 16-row
+# tile); rt = 16-row tiles per warp (x fragments and their byte_perms shared), u = 128-K steps per warp iteration,
+# w16 = up to 16 warps per block (K-split of the small-O shapes), pf = the next iteration's loads issued before this
+# one's math (two register buffers); b* = the n > 8 launch only (run at n > 8 alone)
 NVFP4_VARIANTS = {
     "default": {},
-    "u1": {"unroll": 1},
-    "u4": {"unroll": 4},
-    "t1024": {"target_warps": 1024},
-    "t4096": {"target_warps": 4096},
-    "w4-8": {"min_warps": 4, "max_warps": 8},
+    "old": {"row_tiles": 1},
+    "old-u4": {"row_tiles": 1, "unroll": 4},
+    "rt2-u1": {"unroll": 1},
+    "rt2-u1-w16": {"unroll": 1, "max_warps": 16},
+    "pf": {"row_tiles": 1, "prefetch": True},
+    "pf-u1": {"row_tiles": 1, "prefetch": True, "unroll": 1},
+    "rt2-pf-u1": {"prefetch": True, "unroll": 1},
+    "rt4-u1-w16": {"row_tiles": 4, "unroll": 1, "max_warps": 16},
+    "b-rt2": {"big_row_tiles": 2},
+    "b-pf": {"big_prefetch": True},
 }
-NS_NVFP4 = (1, 2, 4, 8, 13)
+NS_NVFP4 = (1, 4, 8, 13)
 NS = (1, 2, 3, 4, 8, 13)
 NS_ODD = (1, 2, 3, 8, 13, 40)
 
@@ -128,7 +138,8 @@ def _cases() -> list[dict]:
         for variant in NVFP4_VARIANTS:
             p = _params_nvfp4(variant)
             out.append(dict(name=name + "_nvfp4", K=k, O=o, epilogue=ep, dtype="bfloat16", out_dtype="bfloat16",
-                            variant=variant, ns=NS_NVFP4, weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
+                            variant=variant, ns=tuple(n for n in NS_NVFP4 if n > 8 or not variant.startswith("b-")),
+                            weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
                             symbol=G.symbol(k, o, "bfloat16", "bfloat16", ep, "nvfp4") + "_"
                             + variant.replace("-", "_"),
                             launch=G.launch_config_nvfp4(k, o, "bfloat16", ep, **p)))

@@ -41,6 +41,12 @@ EMU_NVFP4_CASES = [
     (48, 40, "residual", "bfloat16", "bfloat16", {}),  # K % 32 != 0 -> FMA
     (64, 96, "silu_mul", "float32", "float32", {}),  # f32 activations -> FMA
     (96, 24, "none", "float16", "float16", {}),  # f16 -> FMA
+    # row tiles per warp and the prefetching pipeline: the last block's second tile past O, odd iteration count
+    (512, 72, "none", "bfloat16", "bfloat16", {"row_tiles": 2, "prefetch": True, "unroll": 1}),
+    (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"row_tiles": 4, "unroll": 1, "big_row_tiles": 2,
+                                                    "big_prefetch": True}),
+    (2560, 32, "residual", "bfloat16", "bfloat16", {"row_tiles": 1, "prefetch": True, "target_warps": 1,
+                                                   "max_warps": 16}),
 ]
 
 
@@ -138,7 +144,7 @@ def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[di
     from .lib import EmuLib
 
     cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
-    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
+    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
     funcs = {}
     meta: list[tuple[str, int, int, str, str, str, dict, Optional[str]]] = []  # the last: weight format
     for i, (k, o, ep, dt, odt, prm) in enumerate(cases):
