@@ -41,8 +41,12 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
   by g * 2^7. x words are re-paired with one byte_perm each to the same K order, so the mma.sync
   m16n8k16 chain is the bf16 kernel's. About 3 ALU/FMA-pipe instructions per weight element (SASS).
   Other dtypes or K % 32 != 0: the FMA layout, each element dequantized exactly as dequant.py does.
-  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles) + the kernel set's
-  min/max/target_warps, fma_warps and sms.
+  A warp owns row_tiles 16-row tiles (default 2): its x fragments and their byte_perms serve every tile and
+  an iteration has row_tiles x more weight bytes in flight (the kernel is bound by bytes in flight per SM, not
+  by issue: ~196 SASS instructions per 1152 bytes of codes + scales per warp at one tile, ~179 at two).
+  prefetch: two register buffers, the next iteration's loads issued before this one's math.
+  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, row_tiles; big_row_tiles,
+  prefetch, big_prefetch off) + the kernel set's min/max/target_warps, fma_warps and sms.
 """
 from __future__ import annotations
 
