@@ -86,20 +86,22 @@ CASES_NVFP4 = [
     ("down_res", 17408, 5120, "residual"),
     ("o_proj_res", 6144, 5120, "residual"),
 ]
-# gemv_nvfp4 overrides of NVFP4_DEFAULTS (row_tiles 2, unroll 2): "old" is the previous default (a warp per 16-row
-# tile); rt = 16-row tiles per warp (x fragments and their byte_perms shared), u = 128-K steps per warp iteration,
-# w16 = up to 16 warps per block (K-split of the small-O shapes), pf = the next iteration's loads issued before this
-# one's math (two register buffers); b* = the n > 8 launch only (run at n > 8 alone)
+# gemv_nvfp4 overrides of NVFP4_DEFAULTS (unroll 2, row_tiles 1, stages 4): "old" is the previous default (weights
+# loaded into registers at the top of each iteration); st = cp.async stage ring of that many iterations per warp
+# (st - 1 in flight; fewer where 48 KiB of shared memory per block do not hold them); rt = 16-row tiles per warp (x
+# fragments and their byte_perms shared); u = 128-K steps per warp iteration;
+# pf = register double buffer (next iteration's loads before this one's math); b-* = the n > 8 launch only (n > 8)
 NVFP4_VARIANTS = {
     "default": {},
-    "old": {"row_tiles": 1},
-    "old-u4": {"row_tiles": 1, "unroll": 4},
-    "rt2-u1": {"unroll": 1},
-    "rt2-u1-w16": {"unroll": 1, "max_warps": 16},
-    "pf": {"row_tiles": 1, "prefetch": True},
-    "pf-u1": {"row_tiles": 1, "prefetch": True, "unroll": 1},
-    "rt2-pf-u1": {"prefetch": True, "unroll": 1},
-    "rt4-u1-w16": {"row_tiles": 4, "unroll": 1, "max_warps": 16},
+    "old": {"stages": 0},
+    "old-u4": {"stages": 0, "unroll": 4},
+    "st3": {"stages": 3},
+    "st6-u1": {"stages": 6, "unroll": 1},
+    "rt2-st4-u1": {"row_tiles": 2, "unroll": 1},
+    "rt2-st3": {"row_tiles": 2, "stages": 3},
+    "rt2": {"row_tiles": 2, "stages": 0},
+    "pf": {"stages": 0, "prefetch": True},
+    "rt2-pf-u1": {"row_tiles": 2, "stages": 0, "prefetch": True, "unroll": 1},
     "b-rt2": {"big_row_tiles": 2},
     "b-pf": {"big_prefetch": True},
 }

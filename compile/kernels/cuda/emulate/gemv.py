@@ -47,6 +47,10 @@ EMU_NVFP4_CASES = [
                                                     "big_prefetch": True}),
     (2560, 32, "residual", "bfloat16", "bfloat16", {"row_tiles": 1, "prefetch": True, "target_warps": 1,
                                                    "max_warps": 16}),
+    # cp.async stage rings: wrapping 20 iterations of one warp; 2 tiles per warp with an empty one, 4 warps
+    (2560, 48, "residual", "bfloat16", "bfloat16", {"stages": 4, "unroll": 1, "target_warps": 1}),
+    (768, 72, "silu_mul", "bfloat16", "bfloat16", {"stages": 3, "unroll": 1}),
+    (352, 40, "none", "bfloat16", "bfloat16", {}),  # K % 64 != 0: no stage ring (4-byte scale words), registers
 ]
 
 
@@ -144,7 +148,7 @@ def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[di
     from .lib import EmuLib
 
     cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
-    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
+    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9, 12)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
     funcs = {}
     meta: list[tuple[str, int, int, str, str, str, dict, Optional[str]]] = []  # the last: weight format
     for i, (k, o, ep, dt, odt, prm) in enumerate(cases):
