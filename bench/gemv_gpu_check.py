@@ -31,7 +31,7 @@ Commands:
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json       # everything: ~6-9 min on an H100/H200
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv_nvfp4.json --weight nvfp4   # NVFP4 + bf16 baseline
   NVFP4 variants alone (old vs new, 5 shapes x n=1,4,8,13; ~4-5 min):
-  .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv4 --arch sm_90        # ~5 min here, 3.7 MB
+  .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv4 --arch sm_90        # ~5.5 min here, 3.9 MB
   python3 bench/gemv_gpu_check.py run .gpu/gemv4 $OUT/gemv_nvfp4.json --weight nvfp4
 """
 from __future__ import annotations
