@@ -30,6 +30,9 @@ Commands:
   GPU machine (runtime-only TVM bundle and PYTHONPATH/LD_LIBRARY_PATH as in bench/README.md step 3):
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json       # everything: ~6-9 min on an H100/H200
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv_nvfp4.json --weight nvfp4   # NVFP4 + bf16 baseline
+  NVFP4 variants alone (old vs new, 5 shapes x n=1,4,8,13; ~4-5 min):
+  .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv4 --arch sm_90        # ~5.5 min here, 3.9 MB
+  python3 bench/gemv_gpu_check.py run .gpu/gemv4 $OUT/gemv_nvfp4.json --weight nvfp4
 """
 from __future__ import annotations
 
@@ -78,19 +81,31 @@ VARIANTS = {
 # (name, K, O, epilogue) of the 27B decode projections with NVFP4 weights (bf16 activations)
 CASES_NVFP4 = [
     ("qkv", 5120, 14336, "none"),
+    ("in_proj_qkv_z", 5120, 16384, "none"),
     ("gate_up_silu", 5120, 34816, "silu_mul"),
     ("down_res", 17408, 5120, "residual"),
     ("o_proj_res", 6144, 5120, "residual"),
 ]
+# gemv_nvfp4 overrides of NVFP4_DEFAULTS (unroll 2, row_tiles 1, stages 4): "old" is the previous default (weights
+# loaded into registers at the top of each iteration); st = cp.async stage ring of that many iterations per warp
+# (st - 1 in flight; fewer where 48 KiB of shared memory per block do not hold them); rt = 16-row tiles per warp (x
+# fragments and their byte_perms shared); u = 128-K steps per warp iteration;
+# pf = register double buffer (next iteration's loads before this one's math); b-* = the n > 8 launch only (n > 8)
 NVFP4_VARIANTS = {
     "default": {},
-    "u1": {"unroll": 1},
-    "u4": {"unroll": 4},
-    "t1024": {"target_warps": 1024},
-    "t4096": {"target_warps": 4096},
-    "w4-8": {"min_warps": 4, "max_warps": 8},
+    "old": {"stages": 0},
+    "old-u4": {"stages": 0, "unroll": 4},
+    "st3": {"stages": 3},
+    "st6-u1": {"stages": 6, "unroll": 1},
+    "rt2-st4-u1": {"row_tiles": 2, "unroll": 1},
+    "rt2-st3": {"row_tiles": 2, "stages": 3},
+    "rt2": {"row_tiles": 2, "stages": 0},
+    "pf": {"stages": 0, "prefetch": True},
+    "rt2-pf-u1": {"row_tiles": 2, "stages": 0, "prefetch": True, "unroll": 1},
+    "b-rt2": {"big_row_tiles": 2},
+    "b-pf": {"big_prefetch": True},
 }
-NS_NVFP4 = (1, 2, 4, 8, 13)
+NS_NVFP4 = (1, 4, 8, 13)
 NS = (1, 2, 3, 4, 8, 13)
 NS_ODD = (1, 2, 3, 8, 13, 40)
 
@@ -128,7 +143,8 @@ def _cases() -> list[dict]:
         for variant in NVFP4_VARIANTS:
             p = _params_nvfp4(variant)
             out.append(dict(name=name + "_nvfp4", K=k, O=o, epilogue=ep, dtype="bfloat16", out_dtype="bfloat16",
-                            variant=variant, ns=NS_NVFP4, weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
+                            variant=variant, ns=tuple(n for n in NS_NVFP4 if n > 8 or not variant.startswith("b-")),
+                            weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
                             symbol=G.symbol(k, o, "bfloat16", "bfloat16", ep, "nvfp4") + "_"
                             + variant.replace("-", "_"),
                             launch=G.launch_config_nvfp4(k, o, "bfloat16", ep, **p)))

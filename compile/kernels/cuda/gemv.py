@@ -41,8 +41,17 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
   by g * 2^7. x words are re-paired with one byte_perm each to the same K order, so the mma.sync
   m16n8k16 chain is the bf16 kernel's. About 3 ALU/FMA-pipe instructions per weight element (SASS).
   Other dtypes or K % 32 != 0: the FMA layout, each element dequantized exactly as dequant.py does.
-  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles) + the kernel set's
-  min/max/target_warps, fma_warps and sms.
+  The kernel is bound by weight bytes in flight per SM, not by issue (Little's law: ~14 warps x 2 KiB per
+  iteration = 28 KiB per SM at a loaded latency of ~3500 clocks gives the measured ~2.2 TB/s; the bf16 kernel
+  keeps 2x that in flight). So by default (n <= 8, K % 64 == 0) each warp streams its codes and scale words
+  through a ring of `stages` iterations in shared memory by cp.async (stages - 1 iterations in flight without
+  holding registers; a lane reads back only its own slots, so cp.async.wait_group orders them and no barrier
+  is needed): ~220 SASS instructions per 1152 bytes of codes + scales per warp (196 with register loads).
+  Alternatives measured by bench/gemv_gpu_check.py: row_tiles 16-row tiles per warp (x fragments and their
+  byte_perms shared: ~179 instructions per 1152 bytes at two), prefetch (a second register buffer, the next
+  iteration's loads before this one's math).
+  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, row_tiles, stages;
+  big_row_tiles, prefetch, big_prefetch off) + the kernel set's min/max/target_warps, fma_warps and sms.
 """
 from __future__ import annotations
 
@@ -91,6 +100,33 @@ def _ldg_source(name: str, qual: str) -> str:
 
 _LDG_W_SRC = _ldg_source(_LDG_W, ".L1::no_allocate.L2::256B")
 _LDG_X_SRC = _ldg_source(_LDG_X, "")
+
+# cp.async global -> shared (NVFP4 staged path): 16 bytes (.cg, L2 prefetch as the weight loads) or 4 bytes (.ca);
+# a false predicate zero-fills and reads nothing. One source string per helper (TVM emits each name's once).
+_CP16 = "ninfer_gemv_cp16"
+_CP16_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_cp16(void* dst, const void* src, int pred) {\n"
+    "  unsigned a = (unsigned)__cvta_generic_to_shared(dst);\n"
+    '  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\\n" :: "r"(a), "l"(src), '
+    '"r"(pred ? 16 : 0) : "memory");\n'
+    "}\n")
+_CP4 = "ninfer_gemv_cp4"
+_CP4_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_cp4(void* dst, const void* src, int pred) {\n"
+    "  unsigned a = (unsigned)__cvta_generic_to_shared(dst);\n"
+    '  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\\n" :: "r"(a), "l"(src), '
+    '"r"(pred ? 4 : 0) : "memory");\n'
+    "}\n")
+_CP_COMMIT = "ninfer_gemv_cp_commit"
+_CP_COMMIT_SRC = ('__device__ __forceinline__ void ninfer_gemv_cp_commit() { asm volatile("cp.async.commit_group;\\n" '
+                  '::: "memory"); }\n')
+
+
+def _cp_wait(pending: int) -> tuple[str, str]:
+    """cp.async.wait_group <pending>: (name, source)."""
+    name = f"ninfer_gemv_cp_wait{pending}"
+    return name, (f'__device__ __forceinline__ void {name}() {{ asm volatile("cp.async.wait_group {pending};\\n" '
+                  '::: "memory"); }\n')
 
 
 def mma_warps(K: int, O: int, epilogue: str, *, unroll: int, min_warps: int, max_warps: int,
@@ -214,10 +250,11 @@ def _mma_rows(O, epilogue):
     return row_lo, row_hi, lo_ok, hi_ok
 
 
-def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale):
+def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale, RT=1):
     """The tensor-core kernels' end of a batch pass: the warps' C fragments to shared memory, summed over
     warps, scale(ws2, row, sum), the epilogue and the store. -> macro (n, ps, tile, tx, acc, part, red, ws2,
-    res, out); part is NW * NBT * 128 fp32 shared."""
+    res, out, t); part is NW * NBT * 128 fp32 shared; acc holds RT tiles' fragments, batch tile bt of tile t at
+    (bt * RT + t) * 4."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
     NB = 8 * NBT
@@ -249,11 +286,11 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
         return e % 64 // 8
 
     @T.macro
-    def epilogue_pass(n, ps, tile, tx, acc, part, red, ws2, res, out):
-        # C fragment: acc[bt*4 + i] = (row slot g + 8*(i//2), batch col 2q + i%2)
+    def epilogue_pass(n, ps, tile, tx, acc, part, red, ws2, res, out, t):
+        # C fragment: acc[(bt*RT + t)*4 + i] = (row slot g + 8*(i//2), batch col 2q + i%2)
         for bt in T.unroll(NBT):
             for i in T.unroll(4):
-                part[part_index(tx // 32, bt, tx % 32, i)] = acc[bt * 4 + i]
+                part[part_index(tx // 32, bt, tx % 32, i)] = acc[(bt * RT + t) * 4 + i]
         T.tvm_storage_sync("shared")
         for e0 in range(NEP):
             if e0 * NT + tx < NE:
@@ -366,7 +403,7 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
                                                 wl[u * 4 + 2 * j + 1], wh[u * 4 + 2 * j + 1],
                                                 xr[(bt * U + u) * 4 + 2 * j], xr[(bt * U + u) * 4 + 2 * j + 1],
                                                 source_code=mma_src)
-                            epilogue_pass(n, ps, tile, tx, acc, part, red, None, res, out)
+                            epilogue_pass(n, ps, tile, tx, acc, part, red, None, res, out, 0)
 
         return body
 
@@ -533,7 +570,51 @@ _NVFP4_DQ_SRC = _BF16X2_MUL_SRC + _NVFP4_DQ_BODY
 # the tensor-core path's bf16 weights are e2m1 * e4m3 * 2^-NVFP4_SHIFT; the epilogue multiplies the fp32 sums
 # by weight_scale_2 * 2^NVFP4_SHIFT
 NVFP4_SHIFT = 7
-NVFP4_DEFAULTS = {"unroll": 2, "big_unroll": 1, "big_tiles": 4}
+NVFP4_DEFAULTS = {"unroll": 2, "big_unroll": 1, "big_tiles": 4, "row_tiles": 1, "stages": 4}
+
+
+def nvfp4_grid(K: int, O: int, epilogue: str, *, unroll: int, row_tiles: int, prefetch: bool, min_warps: int,
+               max_warps: int, target_warps: int, sms: int) -> tuple[int, int, int]:
+    """(blocks, warps per block, min blocks per SM) of the NVFP4 tensor-core launch: blocks of row_tiles 16-row
+    tiles, mma_warps for that many blocks (target_warps counts warps over the grid)."""
+    tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
+    blocks = (tiles + row_tiles - 1) // row_tiles
+    regs = nvfp4_min_regs(row_tiles, prefetch)
+    if row_tiles > 1 or prefetch:
+        # about target_warps warps over the grid (round(target_warps / blocks) per block: mma_warps' floor of
+        # target_warps // tiles would halve gate_up's), each with row_tiles x the bytes in flight, and no more
+        # warps per block than keep the whole grid resident with `regs` registers per thread
+        per_sm = -(-blocks // max(1, sms))
+        max_warps = max(1, min(max_warps, 65536 // (per_sm * 32 * regs)))
+        target_warps = target_warps * row_tiles + tiles // 2
+    nw = mma_warps(K, O, epilogue, unroll=4 * unroll, min_warps=min(min_warps, max_warps), max_warps=max_warps,
+                   target_warps=target_warps)
+    if row_tiles > 1 or prefetch:
+        # a warp count that does not divide the K chunks (a K predicate, a last partial iteration) rather than
+        # a divisor far below the aim (down_proj: 68 chunks of 256 -> 4 warps where 8 are wanted)
+        its = -(-K // (128 * unroll))
+        want = min(max(target_warps // max(1, tiles), min_warps, 1), max_warps, its)
+        nw = want if 4 * nw < 3 * want else nw
+    return blocks, nw, resident_blocks(blocks, 32 * nw, sms, min_regs=regs)
+
+
+def nvfp4_stages(stages: int, K: int, nw: int, unroll: int, row_tiles: int, nbt: int, blocks_per_sm: int) -> int:
+    """cp.async stages of the n <= 8 launch: `stages` (0: off) within 48 KiB of static shared memory per block and
+    the SM's 227 KiB over its resident blocks; 0 where fewer than 2 fit or K % 64 != 0 (4-byte scale words)."""
+    if stages < 2 or K % 64 or nbt != 1:
+        return 0
+    per_stage = nw * row_tiles * 2 * unroll * 32 * 20  # 16 code bytes + one scale word per load and lane
+    budget = min(48 * 1024, 227 * 1024 // max(1, blocks_per_sm)) - nw * nbt * 512
+    s = min(stages, budget // per_stage)
+    return s if s >= 2 else 0
+
+
+def nvfp4_min_regs(row_tiles: int, prefetch: bool) -> int:
+    """Registers per thread the NVFP4 tensor-core kernel is left (resident_blocks' min_regs). ptxas -v on the 27B
+    shapes without a bound: one tile 76 (128 kept from before), two or four tiles 104-110, prefetch 105-146."""
+    if prefetch:
+        return 152
+    return 128 if row_tiles == 1 else 112
 
 
 def nvfp4_supported(K: int, O: int, dtype: str, out_dtype: str, epilogue: str) -> bool:
@@ -545,7 +626,7 @@ def _nvfp4_mma_path(K: int, dtype: str) -> bool:
 
 
 def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min_warps, max_warps, target_warps,
-                    big_tiles, sms):
+                    big_tiles, sms, row_tiles=1, prefetch=False, big_row_tiles=1, big_prefetch=False, stages=0):
     """The tensor-core path for NVFP4 weights (bf16 activations, K % 32 == 0); see gemv_nvfp4."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
@@ -554,31 +635,37 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
     KW = K // 8  # uint32 code words per weight row
     KS = K // 32  # uint16 scale pairs per weight row
     KU = K // 2  # uint32 words per x row
-    row_pred = (OO % 8 != 0) if silu else (O % 16 != 0)
     mma_name, mma_src = _mma_source(dtype)
     gmul = float(2 ** NVFP4_SHIFT)
 
     row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
 
-    def make_body(NBT: int, U: int):
+    def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0):
         NB = 8 * NBT
         KC = 128 * U  # K elements per warp iteration (4 lanes x 32 codes per unroll step)
         ITS = (K + KC - 1) // KC
-        NW = mma_warps(K, O, epilogue, unroll=4 * U, min_warps=min_warps, max_warps=max_warps,
-                       target_warps=target_warps)
+        BLOCKS, NW, MB = nvfp4_grid(K, O, epilogue, unroll=U, row_tiles=RT, prefetch=PF, min_warps=min_warps,
+                                    max_warps=max_warps, target_warps=target_warps, sms=sms)
+        MB = MB if NBT == 1 else 1
+        S = nvfp4_stages(S, K, NW, U, RT, NBT, -(-BLOCKS // max(1, sms))) if not PF else 0
+        J = RT * 2 * U  # 16-byte code loads per lane and iteration (tiles x lo/hi rows x steps)
+        wait_name, wait_src = _cp_wait(max(0, S - 2))
         NIT = (ITS + NW - 1) // NW
         NT = 32 * NW
-        MB = resident_blocks(TILES, NT, sms, min_regs=128) if NBT == 1 else 1
+        NBUF = 2 if PF else 1
         k_pred = K % KC != 0 or ITS % NW != 0
+        # the last block's tiles past TILES have no rows (RT does not divide TILES)
+        row_pred = ((OO % 8 != 0) if silu else (O % 16 != 0)) or TILES % RT != 0
         epilogue_pass = _mma_epilogue(O, dtype, out_dtype, epilogue, NBT=NBT, NW=NW, NT=NT, row_pred=row_pred,
-                                      scale=lambda ws2, row, v: v * (ws2[row] * T.float32(gmul)))
+                                      scale=lambda ws2, row, v: v * (ws2[row] * T.float32(gmul)), RT=RT)
 
         def k0(it, tx, u):
             """first K element of lane tx's 32 codes in unroll step u of its warp's iteration it"""
             return (it * NW + tx // 32) * KC + u * 128 + tx % 4 * 32
 
         def k_ok(it, tx, u):
-            return k0(it, tx, u) < K if k_pred else True
+            # prefetching / staging runs past NIT (the pair loop rounds NIT up to even; S - 1 stages ahead)
+            return k0(it, tx, u) < K if k_pred or PF or S else True
 
         def w_ok(it, tx, u, ok_row):
             return T.And(k_ok(it, tx, u), ok_row if row_pred else True)
@@ -586,89 +673,174 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
         def xrow(ps, bt, tx):
             return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
 
+        def cw_i(b, t, h, u):  # first of the 4 code words of (buffer, tile, lo/hi row, step)
+            return (((b * RT + t) * 2 + h) * U + u) * 4
+
+        def sc_i(b, t, h, u):
+            return ((b * RT + t) * 2 + h) * U + u
+
+        def xr_i(b, bt, u):
+            return ((b * NBT + bt) * U + u) * 16
+
+        def j_i(t, h, u):  # staged load j of (tile, lo/hi row, step)
+            return (t * 2 + h) * U + u
+
+        def sm_i(it, tx, j):  # lane tx's slot (16 code bytes, one scale word) of load j in the stage of iteration it
+            return ((tx // 32 * S + it % S) * J + j) * 32 + tx % 32
+
         @T.macro
-        def body(n, xu, wu, wsh, ws2, res, out):
-            for tile in T.thread_binding(TILES, thread="blockIdx.x"):
+        def stage(it, tile0, tx, wu, wsw, smc, sms):
+            # cp.async of iteration it's codes and scale words into its stage (each lane reads back only its own
+            # slots, so no barrier: wait_group alone orders them); the aligned scale word holding the lane's pair
+            for u in T.unroll(U):
+                for t in T.unroll(RT):
+                    T.cuda.func_call(_CP16, T.address_of(smc[sm_i(it, tx, j_i(t, 0, u)) * 4]),
+                                     T.address_of(wu[row_lo(tile0 + t, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                                     T.Cast("int32", w_ok(it, tx, u, lo_ok(tile0 + t, tx % 32 // 4))),
+                                     source_code=_CP16_SRC)
+                    T.cuda.func_call(_CP16, T.address_of(smc[sm_i(it, tx, j_i(t, 1, u)) * 4]),
+                                     T.address_of(wu[row_hi(tile0 + t, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                                     T.Cast("int32", w_ok(it, tx, u, hi_ok(tile0 + t, tx % 32 // 4))),
+                                     source_code=_CP16_SRC)
+                    T.cuda.func_call(_CP4, T.address_of(sms[sm_i(it, tx, j_i(t, 0, u))]),
+                                     T.address_of(wsw[row_lo(tile0 + t, tx % 32 // 4) * (K // 64) + k0(it, tx, u) // 64]),
+                                     T.Cast("int32", w_ok(it, tx, u, lo_ok(tile0 + t, tx % 32 // 4))),
+                                     source_code=_CP4_SRC)
+                    T.cuda.func_call(_CP4, T.address_of(sms[sm_i(it, tx, j_i(t, 1, u))]),
+                                     T.address_of(wsw[row_hi(tile0 + t, tx % 32 // 4) * (K // 64) + k0(it, tx, u) // 64]),
+                                     T.Cast("int32", w_ok(it, tx, u, hi_ok(tile0 + t, tx % 32 // 4))),
+                                     source_code=_CP4_SRC)
+            T.cuda.func_call(_CP_COMMIT, source_code=_CP_COMMIT_SRC)
+
+        @T.macro
+        def unstage(it, tx, smc, sms, cw, sc):
+            for u in T.unroll(U):
+                for t in T.unroll(RT):
+                    for h in T.unroll(2):
+                        cw[T.ramp(cw_i(0, t, h, u), 1, 4)] = smc[T.ramp(sm_i(it, tx, j_i(t, h, u)) * 4, 1, 4)]
+                        # lane q's scale pair is half q % 2 of the word (the dequant reads the low 16 bits)
+                        sc[sc_i(0, t, h, u)] = sms[sm_i(it, tx, j_i(t, h, u))] >> T.Cast("uint32", tx % 2 * 16)
+
+        @T.macro
+        def load_x(b, it, tx, ps, n, xu, xr):
+            for u in T.unroll(U):
+                for bt in T.unroll(NBT):
+                    for v in T.unroll(4):
+                        xr[T.ramp(xr_i(b, bt, u) + v * 4, 1, 4)] = T.cuda.func_call(
+                            _LDG_X, T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2 + v * 4]),
+                            T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
+                            source_code=_LDG_X_SRC, return_type="uint32x4")
+
+        @T.macro
+        def load(b, it, tile0, tx, ps, n, xu, wu, wsh, cw, sc, xr):
+            # per step: 16 bytes (32 codes) of weight rows g and g+8 of each of the RT tiles and their 2 scale
+            # bytes each; the 32 x elements of batch row g of every batch tile (4 x 16 bytes)
+            for u in T.unroll(U):
+                for t in T.unroll(RT):
+                    cw[T.ramp(cw_i(b, t, 0, u), 1, 4)] = T.cuda.func_call(
+                        _LDG_W, T.address_of(wu[row_lo(tile0 + t, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                        T.Cast("int32", w_ok(it, tx, u, lo_ok(tile0 + t, tx % 32 // 4))),
+                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                    cw[T.ramp(cw_i(b, t, 1, u), 1, 4)] = T.cuda.func_call(
+                        _LDG_W, T.address_of(wu[row_hi(tile0 + t, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
+                        T.Cast("int32", w_ok(it, tx, u, hi_ok(tile0 + t, tx % 32 // 4))),
+                        source_code=_LDG_W_SRC, return_type="uint32x4")
+                for t in T.unroll(RT):
+                    sc[sc_i(b, t, 0, u)] = T.if_then_else(
+                        w_ok(it, tx, u, lo_ok(tile0 + t, tx % 32 // 4)),
+                        T.Cast("uint32", wsh[row_lo(tile0 + t, tx % 32 // 4) * KS + k0(it, tx, u) // 32]), T.uint32(0))
+                    sc[sc_i(b, t, 1, u)] = T.if_then_else(
+                        w_ok(it, tx, u, hi_ok(tile0 + t, tx % 32 // 4)),
+                        T.Cast("uint32", wsh[row_hi(tile0 + t, tx % 32 // 4) * KS + k0(it, tx, u) // 32]), T.uint32(0))
+            load_x(b, it, tx, ps, n, xu, xr)
+
+        @T.macro
+        def compute(b, cw, sc, xr, al, ah, xp, acc):
+            for u in T.unroll(U):
+                # x pairs in the weights' K order: pair 4m+i = (x[8m+i], x[8m+i+4]), shared by the RT tiles
+                for bt in T.unroll(NBT):
+                    for m in T.unroll(4):
+                        for ih in T.unroll(2):
+                            xp[bt * 16 + m * 4 + ih * 2] = T.call_pure_extern(
+                                "uint32", "__byte_perm", xr[xr_i(b, bt, u) + m * 4 + ih],
+                                xr[xr_i(b, bt, u) + m * 4 + 2 + ih], T.uint32(0x5410))
+                            xp[bt * 16 + m * 4 + ih * 2 + 1] = T.call_pure_extern(
+                                "uint32", "__byte_perm", xr[xr_i(b, bt, u) + m * 4 + ih],
+                                xr[xr_i(b, bt, u) + m * 4 + 2 + ih], T.uint32(0x7632))
+                for t in T.unroll(RT):
+                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(al[0]), cw[cw_i(b, t, 0, u)],
+                                     cw[cw_i(b, t, 0, u) + 1], cw[cw_i(b, t, 0, u) + 2], cw[cw_i(b, t, 0, u) + 3],
+                                     sc[sc_i(b, t, 0, u)], source_code=_NVFP4_DQ_SRC)
+                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(ah[0]), cw[cw_i(b, t, 1, u)],
+                                     cw[cw_i(b, t, 1, u) + 1], cw[cw_i(b, t, 1, u) + 2], cw[cw_i(b, t, 1, u) + 3],
+                                     sc[sc_i(b, t, 1, u)], source_code=_NVFP4_DQ_SRC)
+                    for bt in T.unroll(NBT):
+                        for j in T.unroll(8):
+                            T.cuda.func_call(
+                                mma_name, T.address_of(acc[(bt * RT + t) * 4]),
+                                al[2 * j], ah[2 * j], al[2 * j + 1], ah[2 * j + 1],
+                                xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
+
+        @T.macro
+        def body(n, xu, wu, wsh, wsw, ws2, res, out):
+            for blk in T.thread_binding(BLOCKS, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
-                        cl = T.alloc_buffer((U * 4,), "uint32", scope="local")
-                        ch = T.alloc_buffer((U * 4,), "uint32", scope="local")
-                        sl = T.alloc_buffer((U,), "uint32", scope="local")
-                        sh = T.alloc_buffer((U,), "uint32", scope="local")
-                        xr = T.alloc_buffer((NBT * U * 16,), "uint32", scope="local")
+                        cw = T.alloc_buffer((NBUF * RT * 2 * U * 4,), "uint32", scope="local")
+                        sc = T.alloc_buffer((NBUF * RT * 2 * U,), "uint32", scope="local")
+                        xr = T.alloc_buffer((NBUF * NBT * U * 16,), "uint32", scope="local")
                         al = T.alloc_buffer((16,), "uint32", scope="local")
                         ah = T.alloc_buffer((16,), "uint32", scope="local")
                         xp = T.alloc_buffer((NBT * 16,), "uint32", scope="local")
-                        acc = T.alloc_buffer((NBT * 4,), "float32", scope="local")
+                        acc = T.alloc_buffer((NBT * RT * 4,), "float32", scope="local")
                         red = T.alloc_buffer((2,), "float32", scope="local")
                         part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
+                        smc = T.alloc_buffer((max(1, NW * S * J * 128),), "uint32", scope="shared")
+                        sms = T.alloc_buffer((max(1, NW * S * J * 32),), "uint32", scope="shared")
                         for ps in range((n + NB - 1) // NB):
-                            for i in T.unroll(NBT * 4):
+                            for i in T.unroll(NBT * RT * 4):
                                 acc[i] = T.float32(0)
-                            for it in range(NIT):
-                                for u in T.unroll(U):
-                                    # 16 bytes (32 codes) of weight rows g and g+8 and their 2 scale bytes each;
-                                    # the 32 x elements of batch row g of every batch tile (4 x 16 bytes)
-                                    cl[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
-                                        _LDG_W, T.address_of(wu[row_lo(tile, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
-                                        T.Cast("int32", w_ok(it, tx, u, lo_ok(tile, tx % 32 // 4))),
-                                        source_code=_LDG_W_SRC, return_type="uint32x4")
-                                    ch[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
-                                        _LDG_W, T.address_of(wu[row_hi(tile, tx % 32 // 4) * KW + k0(it, tx, u) // 8]),
-                                        T.Cast("int32", w_ok(it, tx, u, hi_ok(tile, tx % 32 // 4))),
-                                        source_code=_LDG_W_SRC, return_type="uint32x4")
-                                    sl[u] = T.if_then_else(
-                                        w_ok(it, tx, u, lo_ok(tile, tx % 32 // 4)),
-                                        T.Cast("uint32", wsh[row_lo(tile, tx % 32 // 4) * KS + k0(it, tx, u) // 32]),
-                                        T.uint32(0))
-                                    sh[u] = T.if_then_else(
-                                        w_ok(it, tx, u, hi_ok(tile, tx % 32 // 4)),
-                                        T.Cast("uint32", wsh[row_hi(tile, tx % 32 // 4) * KS + k0(it, tx, u) // 32]),
-                                        T.uint32(0))
-                                    for bt in T.unroll(NBT):
-                                        for v in T.unroll(4):
-                                            xr[T.ramp(((bt * U + u) * 4 + v) * 4, 1, 4)] = T.cuda.func_call(
-                                                _LDG_X,
-                                                T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2 + v * 4]),
-                                                T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
-                                                source_code=_LDG_X_SRC, return_type="uint32x4")
-                                for u in T.unroll(U):
-                                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(al[0]), cl[u * 4], cl[u * 4 + 1],
-                                                     cl[u * 4 + 2], cl[u * 4 + 3], sl[u], source_code=_NVFP4_DQ_SRC)
-                                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(ah[0]), ch[u * 4], ch[u * 4 + 1],
-                                                     ch[u * 4 + 2], ch[u * 4 + 3], sh[u], source_code=_NVFP4_DQ_SRC)
-                                    # x pairs in the weights' K order: pair 4m+i = (x[8m+i], x[8m+i+4])
-                                    for bt in T.unroll(NBT):
-                                        for m in T.unroll(4):
-                                            for ih in T.unroll(2):
-                                                xp[bt * 16 + m * 4 + ih * 2] = T.call_pure_extern(
-                                                    "uint32", "__byte_perm", xr[(bt * U + u) * 16 + m * 4 + ih],
-                                                    xr[(bt * U + u) * 16 + m * 4 + 2 + ih], T.uint32(0x5410))
-                                                xp[bt * 16 + m * 4 + ih * 2 + 1] = T.call_pure_extern(
-                                                    "uint32", "__byte_perm", xr[(bt * U + u) * 16 + m * 4 + ih],
-                                                    xr[(bt * U + u) * 16 + m * 4 + 2 + ih], T.uint32(0x7632))
-                                    for bt in T.unroll(NBT):
-                                        for j in T.unroll(8):
-                                            T.cuda.func_call(
-                                                mma_name, T.address_of(acc[bt * 4]),
-                                                al[2 * j], ah[2 * j], al[2 * j + 1], ah[2 * j + 1],
-                                                xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
-                            epilogue_pass(n, ps, tile, tx, acc, part, red, ws2, res, out)
+                            if S > 0:
+                                # S-stage cp.async ring per warp: S - 1 iterations' weight bytes in flight
+                                for it in T.unroll(S - 1):
+                                    stage(it, blk * RT, tx, wu, wsw, smc, sms)
+                                for it in range(NIT):
+                                    T.cuda.func_call(wait_name, source_code=wait_src)
+                                    unstage(it, tx, smc, sms, cw, sc)
+                                    load_x(0, it, tx, ps, n, xu, xr)
+                                    stage(it + S - 1, blk * RT, tx, wu, wsw, smc, sms)
+                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                                T.cuda.func_call(_cp_wait(0)[0], source_code=_cp_wait(0)[1])
+                            elif PF:
+                                # software pipeline: iteration it + 1's loads are in flight during it's math
+                                load(0, 0, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
+                                for it2 in range((NIT + 1) // 2):
+                                    load(1, 2 * it2 + 1, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
+                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                                    load(0, 2 * it2 + 2, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
+                                    compute(1, cw, sc, xr, al, ah, xp, acc)
+                            else:
+                                for it in range(NIT):
+                                    load(0, it, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
+                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                            for t in T.unroll(RT):
+                                epilogue_pass(n, ps, blk * RT + t, tx, acc, part, red, ws2, res, out, t)
 
         return body
 
-    small = make_body(1, unroll)
-    big = make_body(big_tiles, big_unroll)
+    small = make_body(1, unroll, row_tiles, prefetch, stages)
+    big = make_body(big_tiles, big_unroll, big_row_tiles, big_prefetch)
 
     @T.macro
     def run(n, x, w, ws, ws2, res, out):
         xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
         wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
         wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
+        wsw = T.decl_buffer((O * (K // 64),), "uint32", data=ws.data)
         if n <= 8:
-            small(n, xu, wu, wsh, ws2, res, out)
+            small(n, xu, wu, wsh, wsw, ws2, res, out)
         else:
-            big(n, xu, wu, wsh, ws2, res, out)
+            big(n, xu, wu, wsh, wsw, ws2, res, out)
 
     return _entry(K, O, OO, dtype, out_dtype, has_res, True, run)
 
@@ -691,7 +863,9 @@ def _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, *, warps):
 @lru_cache(maxsize=None)
 def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None,
                epilogue: str = "none", *, unroll: int = 2, big_unroll: int = 1, min_warps: int = 1,
-               max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132):
+               max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132,
+               row_tiles: int = 1, prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
+               stages: int = 0):
     """y = x[n, in] @ dequant(W)^T + epilogue for NVFP4 weights, or None where it does not apply.
 
     prim_func(x[n, in] dtype, w[out, in/2] u8, w_scale[out, in/16] u8, w_scale_2[out] f32, [res], out), the
@@ -705,7 +879,8 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
     if _nvfp4_mma_path(K, dtype):
         f = _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, big_unroll=big_unroll,
                             min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, big_tiles=big_tiles,
-                            sms=sms)
+                            sms=sms, row_tiles=row_tiles, prefetch=prefetch, big_row_tiles=big_row_tiles,
+                            big_prefetch=big_prefetch, stages=stages)
     else:
         f = _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
@@ -766,20 +941,23 @@ def launch_config(in_features: int, out_features: int, dtype: str, epilogue: str
 
 def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogue: str = "none", *, unroll: int = 2,
                         big_unroll: int = 1, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048,
-                        big_tiles: int = 4, fma_warps: int = 4, sms: int = 132) -> str:
+                        big_tiles: int = 4, fma_warps: int = 4, sms: int = 132, row_tiles: int = 1,
+                        prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
+                        stages: int = 0) -> str:
     """Human-readable launch configuration of gemv_nvfp4() for a shape."""
     K, O = int(in_features), int(out_features)
     if not _nvfp4_mma_path(K, dtype):
         return "nvfp4 " + launch_config(K, O, "float32", epilogue, fma_warps=fma_warps)
-    tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
-    nw = mma_warps(K, O, epilogue, unroll=4 * unroll, min_warps=min_warps, max_warps=max_warps,
-                   target_warps=target_warps)
-    nwb = mma_warps(K, O, epilogue, unroll=4 * big_unroll, min_warps=min_warps, max_warps=max_warps,
-                    target_warps=target_warps)
-    mb = resident_blocks(tiles, 32 * nw, sms, min_regs=128)
-    return (f"nvfp4 mma grid {tiles} x {32 * nw} threads (min {mb} blocks/SM), {128 * unroll} k per warp-iteration, "
-            f"n>8: {8 * big_tiles} rows/pass x {32 * nwb} threads, {128 * big_unroll} k")
+    kw = dict(min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, sms=sms)
+    blocks, nw, mb = nvfp4_grid(K, O, epilogue, unroll=unroll, row_tiles=row_tiles, prefetch=prefetch, **kw)
+    _, nwb, _ = nvfp4_grid(K, O, epilogue, unroll=big_unroll, row_tiles=big_row_tiles, prefetch=big_prefetch, **kw)
+    st = 0 if prefetch else nvfp4_stages(stages, K, nw, unroll, row_tiles, 1, -(-blocks // max(1, sms)))
+    pf = " prefetch" if prefetch else (f" {st} cp.async stages" if st else "")
+    bpf = " prefetch" if big_prefetch else ""
+    return (f"nvfp4 mma grid {blocks} x {32 * nw} threads (min {mb} blocks/SM), {16 * row_tiles} rows x "
+            f"{128 * unroll} k per warp-iteration{pf}, n>8: {8 * big_tiles} rows/pass x {32 * nwb} threads, "
+            f"{16 * big_row_tiles} rows x {128 * big_unroll} k{bpf}")
 
 
 __all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "launch_config", "launch_config_nvfp4", "mma_warps",
-           "nvfp4_supported", "resident_blocks", "supported", "symbol"]
+           "nvfp4_grid", "nvfp4_supported", "resident_blocks", "supported", "symbol"]

@@ -41,6 +41,16 @@ EMU_NVFP4_CASES = [
     (48, 40, "residual", "bfloat16", "bfloat16", {}),  # K % 32 != 0 -> FMA
     (64, 96, "silu_mul", "float32", "float32", {}),  # f32 activations -> FMA
     (96, 24, "none", "float16", "float16", {}),  # f16 -> FMA
+    # row tiles per warp and the prefetching pipeline: the last block's second tile past O, odd iteration count
+    (512, 72, "none", "bfloat16", "bfloat16", {"row_tiles": 2, "prefetch": True, "unroll": 1}),
+    (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"row_tiles": 4, "unroll": 1, "big_row_tiles": 2,
+                                                    "big_prefetch": True}),
+    (2560, 32, "residual", "bfloat16", "bfloat16", {"row_tiles": 1, "prefetch": True, "target_warps": 1,
+                                                   "max_warps": 16}),
+    # cp.async stage rings: wrapping 20 iterations of one warp; 2 tiles per warp with an empty one, 4 warps
+    (2560, 48, "residual", "bfloat16", "bfloat16", {"stages": 4, "unroll": 1, "target_warps": 1}),
+    (768, 72, "silu_mul", "bfloat16", "bfloat16", {"stages": 3, "unroll": 1}),
+    (352, 40, "none", "bfloat16", "bfloat16", {}),  # K % 64 != 0: no stage ring (4-byte scale words), registers
 ]
 
 
@@ -138,7 +148,7 @@ def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[di
     from .lib import EmuLib
 
     cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
-    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
+    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9, 12)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
     funcs = {}
     meta: list[tuple[str, int, int, str, str, str, dict, Optional[str]]] = []  # the last: weight format
     for i, (k, o, ep, dt, odt, prm) in enumerate(cases):

@@ -342,7 +342,7 @@ static inline void ninfer_gdn_st(float* p, float v) { *p = v; }
 static inline void ninfer_gdn_bar() { __syncthreads(); }
 """
 
-# compile/kernels/cuda/gemv.py (_mma_source, _ldg_source, _BF16X2_MUL_SRC; the NVFP4 decode helper
+# compile/kernels/cuda/gemv.py (_mma_source, _ldg_source, _CP16_SRC / _CP4_SRC / _cp_wait, _BF16X2_MUL_SRC; the NVFP4 decode helper
 # _NVFP4_DQ_BODY is plain C around ninfer_bf16x2_mul and runs as it is, see source())
 GEMV = r"""
 static void ninfer_gemv_mma_bf16(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
@@ -354,6 +354,17 @@ static void ninfer_gemv_mma_f16(float* d, unsigned a0, unsigned a1, unsigned a2,
 // predicated 16-byte loads: a false predicate gives zeros and touches no memory
 static inline uint4 ninfer_gemv_ldg_w(const void* p, int pred) { uint4 r = {0, 0, 0, 0}; if (pred) memcpy(&r, p, 16); return r; }
 static inline uint4 ninfer_gemv_ldg_x(const void* p, int pred) { uint4 r = {0, 0, 0, 0}; if (pred) memcpy(&r, p, 16); return r; }
+// cp.async (NVFP4 stage rings): the copy (or zero fill) happens at once; every lane reads back only its own slots
+static inline void ninfer_gemv_cp16(void* d, const void* p, int pred) { if (pred) memcpy(d, p, 16); else memset(d, 0, 16); }
+static inline void ninfer_gemv_cp4(void* d, const void* p, int pred) { if (pred) memcpy(d, p, 4); else memset(d, 0, 4); }
+static inline void ninfer_gemv_cp_commit() {}
+#define ninfer_gemv_cp_wait0() ((void)0)
+#define ninfer_gemv_cp_wait1() ((void)0)
+#define ninfer_gemv_cp_wait2() ((void)0)
+#define ninfer_gemv_cp_wait3() ((void)0)
+#define ninfer_gemv_cp_wait4() ((void)0)
+#define ninfer_gemv_cp_wait5() ((void)0)
+#define ninfer_gemv_cp_wait6() ((void)0)
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
   for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
