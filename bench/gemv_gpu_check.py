@@ -86,7 +86,8 @@ CASES_NVFP4 = [
     ("down_res", 17408, 5120, "residual"),
     ("o_proj_res", 6144, 5120, "residual"),
 ]
-# gemv_nvfp4 overrides of NVFP4_DEFAULTS (unroll 2, row_tiles 1, stages 4): "old" is the previous default (weights
+# gemv_nvfp4 overrides of NVFP4_DEFAULTS (unroll 2, stages 0; "default" here runs row_tiles 1, the model takes 2 from
+# O = 8192: gemv.nvfp4_row_tiles): "old" is the previous default (weights
 # loaded into registers at the top of each iteration); st = cp.async stage ring of that many iterations per warp
 # (st - 1 in flight; fewer where 48 KiB of shared memory per block do not hold them); rt = 16-row tiles per warp (x
 # fragments and their byte_perms shared); u = 128-K steps per warp iteration;
@@ -96,8 +97,9 @@ NVFP4_VARIANTS = {
     "old": {"stages": 0},
     "old-u4": {"stages": 0, "unroll": 4},
     "st3": {"stages": 3},
+    "st4": {"stages": 4},
     "st6-u1": {"stages": 6, "unroll": 1},
-    "rt2-st4-u1": {"row_tiles": 2, "unroll": 1},
+    "rt2-st4-u1": {"row_tiles": 2, "unroll": 1, "stages": 4},
     "rt2-st3": {"row_tiles": 2, "stages": 3},
     "rt2": {"row_tiles": 2, "stages": 0},
     "pf": {"stages": 0, "prefetch": True},

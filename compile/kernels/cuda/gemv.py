@@ -50,8 +50,8 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
   Alternatives measured by bench/gemv_gpu_check.py: row_tiles 16-row tiles per warp (x fragments and their
   byte_perms shared: ~179 instructions per 1152 bytes at two), prefetch (a second register buffer, the next
   iteration's loads before this one's math).
-  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, row_tiles, stages;
-  big_row_tiles, prefetch, big_prefetch off) + the kernel set's min/max/target_warps, fma_warps and sms.
+  Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, stages; big_row_tiles,
+  prefetch, big_prefetch off), row_tiles per output width (nvfp4_row_tiles: 2 from O = 8192, measured) + the kernel set's min/max/target_warps, fma_warps and sms.
 """
 from __future__ import annotations
 
@@ -570,7 +570,17 @@ _NVFP4_DQ_SRC = _BF16X2_MUL_SRC + _NVFP4_DQ_BODY
 # the tensor-core path's bf16 weights are e2m1 * e4m3 * 2^-NVFP4_SHIFT; the epilogue multiplies the fp32 sums
 # by weight_scale_2 * 2^NVFP4_SHIFT
 NVFP4_SHIFT = 7
-NVFP4_DEFAULTS = {"unroll": 2, "big_unroll": 1, "big_tiles": 4, "row_tiles": 1, "stages": 4}
+NVFP4_DEFAULTS = {"unroll": 2, "big_unroll": 1, "big_tiles": 4, "stages": 0}
+# Measured on the H200 (BENCHMARKS.md run 6, bench/gemv_gpu_check.py, 27B shapes, n = 1 / 4 / 8): two 16-row tiles
+# per warp win where the grid is large (gate_up+silu 2611 -> 2882 GB/s, qkv 2307 -> 2556, in_proj_qkv_z 2555 ->
+# 2659 at n = 1) and lose on the O = 5120 projections (o_proj 1800 -> 1682, down 2030 -> 1920: too few tiles for
+# 132 SMs); the shared-memory stage ring (stages > 0) lost on every shape (qkv 2061, gate_up 2381 at n = 1).
+NVFP4_ROW_TILES_MIN_O = 8192
+
+
+def nvfp4_row_tiles(O: int) -> int:
+    """16-row tiles per warp of the n <= 8 launch for an output width O (see NVFP4_ROW_TILES_MIN_O)."""
+    return 2 if O >= NVFP4_ROW_TILES_MIN_O else 1
 
 
 def nvfp4_grid(K: int, O: int, epilogue: str, *, unroll: int, row_tiles: int, prefetch: bool, min_warps: int,
@@ -898,7 +908,8 @@ def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None 
     out_dtype = out_dtype or dtype
     if weight_format == "nvfp4":
         return gemv_nvfp4(K, O, dtype, out_dtype, epilogue, min_warps=min_warps, max_warps=max_warps,
-                          target_warps=target_warps, fma_warps=fma_warps, sms=sms, **NVFP4_DEFAULTS)
+                          target_warps=target_warps, fma_warps=fma_warps, sms=sms, row_tiles=nvfp4_row_tiles(O),
+                          **NVFP4_DEFAULTS)
     if weight_format is not None:
         return None
     if not supported(K, O, dtype, out_dtype, epilogue):
@@ -959,5 +970,5 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
             f"{16 * big_row_tiles} rows x {128 * big_unroll} k{bpf}")
 
 
-__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "launch_config", "launch_config_nvfp4", "mma_warps",
+__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "nvfp4_row_tiles", "launch_config", "launch_config_nvfp4", "mma_warps",
            "nvfp4_grid", "nvfp4_supported", "resident_blocks", "supported", "symbol"]
