@@ -51,7 +51,8 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
   byte_perms shared: ~179 instructions per 1152 bytes at two), prefetch (a second register buffer, the next
   iteration's loads before this one's math).
   Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, stages; big_row_tiles,
-  prefetch, big_prefetch off), row_tiles per output width (nvfp4_row_tiles: 2 from O = 8192, measured) + the kernel set's min/max/target_warps, fma_warps and sms.
+  prefetch, big_prefetch off), row_tiles per output width (nvfp4_row_tiles: 2 from O = 8192, measured)
+  + the kernel set's min/max/target_warps, fma_warps and sms.
 """
 from __future__ import annotations
 
