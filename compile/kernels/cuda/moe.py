@@ -4,8 +4,9 @@ compile/moe.py composes them (the llvm set instead runs compile/kernels/moe.py's
 numerics contract is that file's). A token t has P (expert, weight) pairs p = t * P + j (the top-k, plus the
 shared expert when it is folded into the expert arrays):
 
-  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex)] i32
-      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch:
+  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex, C)] i32
+      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch (which also
+      zeroes the C tickets after the grouping that moe_down_combine counts on):
     top-k: one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
       (larger p, then lower index), renormalised when `norm`; column K = (E, sigmoid(logits[E])).
     align: one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
@@ -20,6 +21,9 @@ shared expert when it is folded into the expert arrays):
       y[order[s]] = round(down[e] @ h[s]) (the pair's row; weighting is left to the combine).
   moe_combine(y, w[, res][, shared]) -> out[n, D]
       out[t] = round(res[t] + sum_j w[t, j] * y[t*P + j] (+ w[t, K] * shared[t])), fp32 sums in j order.
+  moe_down_combine(h, order, route, down..., w, res, shared) -> y (scratch), out: the two above in one launch for
+      decode-size calls (the last block of each row tile combines its rows: a ticket per tile in route; what
+      compile/moe.py runs), the wgmma / FMA passes then the combine launch otherwise: the same numbers.
 
 The expert GEMMs launch grid (row tiles, min(Ex, n*P)): block (tile, u) takes the u-th selected expert (blocks
 past U exit), so decode reads only the weights of the experts its batch selected, each once, whatever the
@@ -27,7 +31,9 @@ batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.p
 (gate_up: 8 gate rows and their 8 up rows, so silu_mul pairs them in one thread) as the A operand of
 mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
 loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
-passes of 8 * big_tiles columns. Both pass widths split K the same way (one unroll), so a pair's sums do not
+passes of 8 * big_tiles columns (calls of at most DECODE_TOKENS tokens, whose groups hold at most 8 pairs, launch a
+kernel of the 8-pair passes alone: half the registers, so all its blocks are resident at once). Both pass widths
+split K the same way (one unroll), so a pair's sums do not
 depend on where in its group the align step's atomics put it: the results are deterministic (CUDA graph replays
 equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
 in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
@@ -591,8 +597,11 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
 
 def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: bool, warps: int, unroll: int,
                 big_tiles: int, wgmma: tuple | None) -> SimpleNamespace:
-    """The grouped GEMM's device function (name, src, path, TILES, NT) and launch macros: small (the mma.sync /
-    FMA passes) and big (moe_sm90's wgmma tile, None where it does not apply) from min_pairs pairs."""
+    """The grouped GEMM's device functions and launch macros: small (the mma.sync / FMA passes) and big
+    (moe_sm90's wgmma tile, None where it does not apply) from min_pairs pairs. fns: [(name, src)] of the passes,
+    then, where big_tiles > 1, the decode variant that calls of at most DECODE_TOKENS tokens launch (groups of at
+    most 8 pairs: only the 8-pair passes, compiled alone: about half the registers, so a decode launch's blocks
+    are resident at once; the same K split, so the same numbers)."""
     silu = kind == "gate_up"
     path = gemm_path(K, dtype, nvfp4)
     tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
@@ -600,19 +609,23 @@ def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: b
     name = f"ninfer_moe_{tag}"
     if path == "nvfp4":  # unroll counts 128-element K steps there
         unroll = max(1, unroll // 2)
-    src = gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=big_tiles)
+    fns = [(n, gemm_source(n, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=bt))
+           for n, bt in [(name, big_tiles)] + ([(name + "_b1", 1)] if path != "fma" and big_tiles > 1 else [])]
     TILES = gemm_tiles(O, silu, path)
     NT = gemm_threads(path, warps)
 
-    @T.macro
-    def small(npairs, x, order, route, wptrs, out):
-        for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
-            for bx in T.thread_binding(TILES, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(name, T.address_of(x[0, 0]), T.address_of(order[0]),
-                                                T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
-                                                source_code=src))
+    def passes(fn: str, src: str):
+        @T.macro
+        def launch(npairs, x, order, route, wptrs, out):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(fn, T.address_of(x[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
+                                                    source_code=src))
+        return launch
 
+    small = _by_tokens(P, *[passes(*f) for f in fns])
     big, min_pairs = None, 0
     if wgmma is not None and path in ("mma", "nvfp4") and moe_sm90.applies(K, O, dtype, silu, wgmma[0], wgmma[1],
                                                                          nvfp4):
@@ -620,8 +633,25 @@ def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: b
         min_pairs = per_expert * Ex
         big = moe_sm90.grouped_launch(name + "_wgmma", K, O, Ex, P, dtype, silu, bn=bn, stages=stages, nvfp4=nvfp4,
                                       helpers=_BF16X2 + _DQ8 if nvfp4 else "")
-    return SimpleNamespace(name=name, src=src, path=path, TILES=TILES, NT=NT, small=small, big=big,
+    return SimpleNamespace(name=name, fns=fns, path=path, TILES=TILES, NT=NT, small=small, big=big,
                            min_pairs=min_pairs)
+
+
+DECODE_TOKENS = 8  # calls of at most this many tokens launch the 8-pair passes' own kernel (_gemm_parts)
+
+
+def _by_tokens(P: int, full, decode=None):
+    """The launch macro (npairs, ...) that runs `decode` for calls of at most DECODE_TOKENS tokens, else `full`."""
+    if decode is None:
+        return full
+
+    @T.macro
+    def launch(npairs, *args):
+        if npairs <= DECODE_TOKENS * P:
+            decode(npairs, *args)
+        else:
+            full(npairs, *args)
+    return launch
 
 
 def _supported(silu: bool, K: int, O: int, dtype: str, weight_format: str | None) -> bool:
@@ -681,15 +711,16 @@ __device__ __forceinline__ void {fname}(const {ct}* __restrict__ x, const int* _
     {_weight_decl(ct, nvfp4)}, {ct}* __restrict__ y, const float* __restrict__ cw, const {ct}* __restrict__ res,
     const {ct}* __restrict__ sh, {ct}* __restrict__ out, const int n) {{
   __shared__ int last[1];
-  const int U = route[{Ex + 1}];
-  if ((int)blockIdx.y >= U) return;  // the whole block: fewer experts selected than launched
+  if ((int)blockIdx.y >= route[{Ex + 1}]) return;  // the whole block: fewer experts selected than launched
   {gname}(x, order, route, {wargs}, y);
   ninfer_moe_fence();  // this block's y rows, before its ticket
   __syncthreads();
-  if (threadIdx.x == 0) last[0] = ninfer_moe_atomic_add(route + {route_len(Ex)} + blockIdx.x, 1) == U - 1;
+  if (threadIdx.x == 0)
+    last[0] = ninfer_moe_atomic_add(route + {route_len(Ex)} + blockIdx.x, 1) == route[{Ex + 1}] - 1;
   __syncthreads();
   if (!last[0]) return;
   ninfer_moe_fence();
+#pragma unroll 1
   for (int i = threadIdx.x; i < n * {DOWN_TILE}; i += {NT}) {{
     const int t = i / {DOWN_TILE}, d = blockIdx.x * {DOWN_TILE} + i % {DOWN_TILE};
     if (d < {O}) out[(long long)t * {O} + d] = {cname}_at(y, cw, res, sh, t, d);
@@ -715,19 +746,25 @@ def moe_down_combine(K: int, O: int, n_slots: int, pairs: int, top_k: int, dtype
     csrc = combine_source(cname, O, Kt, P, dtype, residual, shared)
     comb = _combine_launch(cname, csrc, O)
     small, big, min_pairs, TILES, NT = g.small, g.big, g.min_pairs, g.TILES, g.NT
-    fname = (g.name.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1)
-             + f"_k{Kt}{'_sh' if shared else ''}{'_res' if residual else ''}")
-    src = g.src + csrc + down_combine_source(fname, g.name, cname, O, Ex, dtype, nvfp4, NT)
+    suffix = f"_k{Kt}{'_sh' if shared else ''}{'_res' if residual else ''}"
 
-    @T.macro
-    def fused(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
-        for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
-            for bx in T.thread_binding(TILES, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(fname, T.address_of(x[0, 0]), T.address_of(order[0]),
-                                                T.address_of(route[0]), *wptrs, T.address_of(y[0, 0]),
-                                                T.address_of(cw[0, 0]), rp, sp, T.address_of(out[0, 0]),
-                                                T.Cast("int32", n), source_code=src))
+    def fused_launch(gname: str, gsrc: str):
+        fname = gname.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix
+        src = gsrc + csrc + down_combine_source(fname, gname, cname, O, Ex, dtype, nvfp4, NT)
+
+        @T.macro
+        def launch(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(fname, T.address_of(x[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), *wptrs, T.address_of(y[0, 0]),
+                                                    T.address_of(cw[0, 0]), rp, sp, T.address_of(out[0, 0]),
+                                                    T.Cast("int32", n), source_code=src))
+        return launch
+
+    fused = _by_tokens(P, *[fused_launch(*f) for f in g.fns])
+    fname = g.name.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix
 
     if g.path == "fma":
         @T.macro
