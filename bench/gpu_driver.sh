@@ -44,9 +44,9 @@ for step in "$@"; do
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/agent_server.log -o $OUT/agent.json ${AGENT_ARGS:-} ;;
     vision) [ -d .gpu/vision ] && run vision 540 python3 bench/vision_gpu_bench.py run .gpu/vision $OUT/vision.json ${VISION_ARGS:-} ;;
-    moe) [ -d .gpu/moe ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check .gpu/moe $OUT/moe_check.json
-         run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels .gpu/moe $OUT/moe_kernels.json
-         run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench .gpu/moe $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
+    moe) M=${MOE_DIR:-.gpu/moe}; [ -d $M ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check $M $OUT/moe_check.json
+         run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels $M $OUT/moe_kernels.json
+         run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench $M $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
     script) run ${SCRIPT_NAME:-script} ${SCRIPT_TIMEOUT:-300} python3 $SCRIPT ;;  # SCRIPT="path/to/x.py args" (with SNAP=dir: a branch's package)
     moebench) [ -d ${MOE_DIR:-.gpu/moe} ] && run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench ${MOE_DIR:-.gpu/moe} $OUT/moe_bench.json ${MOE_BENCH_ARGS:-} ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;

@@ -7,7 +7,7 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
       OUT/kernels.so, kernels.json, kernels_ref.npz
           the CUDA MoE kernels (compile/kernels/cuda/moe.py) at the check geometry: 32 experts + the folded shared
           one, top-8, hidden 2048, experts 512 (the 35B-A3B tiles and K loops), bf16 (the grouped wgmma launch from
-          8 pairs per expert on sm_90, and the mma.sync passes alone) and NVFP4, plus the llvm kernels' outputs
+          8 pairs per expert on sm_90, and the mma.sync passes alone) and NVFP4 (likewise), plus the llvm kernels' outputs
           (compile/kernels/moe.py) on inputs that `check` regenerates from the same seeds with numpy
       OUT/tiny/   a tiny Qwen3.5-MoE (fused-expert VLM-style checkpoint) built for cuda:ARCH in f32 and bf16 with
                   HF / llvm references: gpu_bench.py check's layout and criteria (CUDA graphs bit-equal to eager)
@@ -16,7 +16,8 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
   check OUT RESULT.json
       kernels: CUDA route (top-k + grouping: one launch up to 64 tokens, else two) vs llvm's top-k (ids, weights),
       then gate_up + down + combine vs the llvm experts kernel on the rows routed alike, every token count (1, 4, 8:
-      decode; 40, 100: groups past 8 pairs, the wgmma launch, the two-launch route); the tiny model through
+      decode; 40, 100: groups past 8 pairs, the wgmma launch, the two-launch route), and the down GEMM with the fused
+      combine (moe_down_combine, the route launch zeroing its tickets) bit-equal to it; the tiny model through
       gpu_bench.cmd_check (its result under "tiny")
   kernels OUT RESULT.json
       the grouped expert GEMMs alone at the 35B-A3B shapes (256 experts + shared, top-8) for the launch-parameter
@@ -31,8 +32,8 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
       written, over the measured copy bandwidth; prefill FLOPs = 2 x tokens x (dense matmul parameters + (k + 1)
       experts) + causal attention + one lm_head row, over the measured bf16 matmul rate.
 
-GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_kernels / moe_bench; MOE_BENCH_ARGS adds bench
-options).
+GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_kernels / moe_bench on MOE_DIR, default .gpu/moe;
+MOE_BENCH_ARGS adds bench options).
 """
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ CHECK_WGMMA = (256, 4, 8)  # (bn, stages, pairs per expert slot): the wgmma laun
 FORMATS = {"bf16": None, "nvfp4": "nvfp4"}
 # launch-parameter variants of the grouped expert GEMMs timed by `kernels` (over the registry's defaults)
 VARIANTS = {"default": {}, "w8": {"warps": 8}, "w2": {"warps": 2}, "u8": {"unroll": 8}, "u2": {"unroll": 2},
-            "bt2": {"big_tiles": 2}}
+            "bt2": {"big_tiles": 2}, "bt1": {"big_tiles": 1}, "w2bt1": {"warps": 2, "big_tiles": 1}}
+# (bt1: passes of 8 pairs only, fewer registers: more resident blocks per SM for decode-size calls)
 VARIANT_TOKENS = (1, 4, 8, 48, 512, 8192)
 
 
@@ -110,13 +112,16 @@ def check_funcs(arch: str) -> dict:
     p = registry.kernel_params(arch)["moe"]
     ex, pairs = CE + 1, CK + 1
     funcs = {"route": M.moe_route(CE, CK, True, ex, pairs),
+             "route_c": M.moe_route(CE, CK, True, ex, pairs, M.down_combine_counters(CD)),
              "combine": M.moe_combine(CD, CK, pairs, "bfloat16", False, False)}
     variants = {"bf16_mma": (None, None), "nvfp4": ("nvfp4", None)}
     if arch == "sm_90":
         variants["bf16_wgmma"] = (None, CHECK_WGMMA)
+        variants["nvfp4_wgmma"] = ("nvfp4", CHECK_WGMMA)
     for tag, (fmt, wg) in variants.items():
         funcs[f"gu_{tag}"] = M.expert_gemm("gate_up", CD, 2 * CI, ex, pairs, "bfloat16", fmt, **p, wgmma=wg)
         funcs[f"dn_{tag}"] = M.expert_gemm("down", CI, CD, ex, pairs, "bfloat16", fmt, **p, wgmma=wg)
+        funcs[f"dc_{tag}"] = M.moe_down_combine(CI, CD, ex, pairs, CK, "bfloat16", fmt, False, False, **p, wgmma=wg)
     return {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
 
 
@@ -158,7 +163,10 @@ def prep_kernels(out: Path, arch: str) -> None:
             lmod[f"experts_{f}"](T(inp["x"]), ids, w, *weights[f], o)
             refs[f"{n}/{f}"] = o.numpy().astype(np.float32)
     np.savez_compressed(out / "kernels_ref.npz", **refs)
-    (out / "kernels.json").write_text(json.dumps({"arch": arch, "funcs": sorted(funcs), "tokens": CHECK_TOKENS}))
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+
+    (out / "kernels.json").write_text(json.dumps({"arch": arch, "funcs": sorted(funcs), "tokens": CHECK_TOKENS,
+                                                  "route_c_len": M.route_len(ex, M.down_combine_counters(CD))}))
     print(f"kernels: {len(funcs)} functions, llvm references for {CHECK_TOKENS} tokens, {time.time() - t0:.0f}s",
           flush=True)
 
@@ -171,7 +179,12 @@ def variant_funcs(arch: str) -> dict:
     mw = kp["moe_wgmma"]
     wg = (mw["bn"], mw["stages"], mw["rows_per_expert"]) if arch in registry.ARCH_ONLY["moe_wgmma"] else None
     e, k, d, i = Q35B["num_experts"], Q35B["num_experts_per_tok"], Q35B["hidden_size"], Q35B["moe_intermediate_size"]
-    funcs = {"route": M.moe_route(e, k, True, e + 1, k + 1)}
+    funcs = {"route": M.moe_route(e, k, True, e + 1, k + 1),
+             "route_c": M.moe_route(e, k, True, e + 1, k + 1, M.down_combine_counters(d)),
+             "combine": M.moe_combine(d, k, k + 1, "bfloat16", True, False)}
+    for f, fmt in FORMATS.items():  # the model's composition: down + combine (+ residual) in one prim_func
+        funcs[f"dc_{f}"] = M.moe_down_combine(i, d, e + 1, k + 1, k, "bfloat16", fmt, True, False, **kp["moe"],
+                                              wgmma=wg)
     for v, over in VARIANTS.items():
         p = {**kp["moe"], **over}
         for f, fmt in FORMATS.items():
@@ -184,7 +197,11 @@ def prep_variants(out: Path, arch: str) -> None:
     t0 = time.time()
     funcs = variant_funcs(arch)
     _build_cuda(funcs, arch, out / "variants.so")
-    (out / "variants.json").write_text(json.dumps({"arch": arch, "variants": VARIANTS, "tokens": VARIANT_TOKENS}))
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+
+    route_c_len = M.route_len(Q35B["num_experts"] + 1, M.down_combine_counters(Q35B["hidden_size"]))
+    (out / "variants.json").write_text(json.dumps({"arch": arch, "variants": VARIANTS, "tokens": VARIANT_TOKENS,
+                                                   "route_c_len": route_c_len}))
     print(f"variants: {len(funcs)} functions, {time.time() - t0:.0f}s", flush=True)
 
 
@@ -243,8 +260,9 @@ def cmd_check(a) -> int:
                "topk_weight_err": float(np.abs(got_w[same] - refs[f"{n}/w"][same]).max()) if same.any() else None}
         ok = row["topk_rows_differing"] <= n // 50 and (row["topk_weight_err"] or 0) < 1e-5
         x = T(inp["x"])
-        for tag in [t for t in ("bf16_wgmma", "bf16_mma", "nvfp4") if f"gu_{t}" in meta["funcs"]]:
-            ws = weights["nvfp4" if tag == "nvfp4" else "bf16"]
+        for tag in [t for t in ("bf16_wgmma", "bf16_mma", "nvfp4", "nvfp4_wgmma") if f"gu_{t}" in meta["funcs"]]:
+            fmt = "nvfp4" if tag.startswith("nvfp4") else "bf16"
+            ws = weights[fmt]
             half = len(ws) // 2
             h = T(np.zeros((n * pairs, CI), _bf16()))
             y = T(np.zeros((n * pairs, CD), _bf16()))
@@ -254,8 +272,18 @@ def cmd_check(a) -> int:
                 lib[f"dn_{tag}"](h, order, route, *ws[half:], y)
                 lib["combine"](y, w, o)
                 dev.sync()
-                ref = refs[f"{n}/{'nvfp4' if tag == 'nvfp4' else 'bf16'}"]
+                ref = refs[f"{n}/{fmt}"]
                 err = gc.rel_err(o.numpy().astype(np.float32)[same], ref[same])
+                # the down GEMM with the fused combine (route_c: the grouping + zeroed tickets): the same bits
+                rc = T(np.full(meta["route_c_len"], -1, np.int32))
+                lib["route_c"](T(inp["logits"]), ids, w, order, rc)
+                o2, y2 = T(np.zeros((n, CD), _bf16())), T(np.zeros((n * pairs, CD), _bf16()))
+                lib[f"gu_{tag}"](x, order, rc, *ws[:half], h)
+                lib[f"dc_{tag}"](h, order, rc, *ws[half:], w, x, x, y2, o2)
+                dev.sync()
+                row[f"{tag}_fused_combine_equal"] = bool(np.array_equal(o2.numpy().view(np.uint16),
+                                                                          o.numpy().view(np.uint16)))
+                ok &= row[f"{tag}_fused_combine_equal"]
             except Exception as e:  # noqa: BLE001
                 err = repr(e)[:300]
             row[tag] = err
@@ -325,23 +353,59 @@ def cmd_kernels(a) -> int:
                     gu(x, r[3], r[4], *tw[f][:half], h)
                     dn(h, r[3], r[4], *tw[f][half:], y)
 
-                reps = 20 if n < 512 else 3
-                for j in range(2):
-                    call(j)
-                torch.cuda.synchronize()
-                s_ev.record()
-                for j in range(reps):
-                    call(j)
-                e_ev.record()
-                e_ev.synchronize()
-                dt = s_ev.elapsed_time(e_ev) / 1e3 / reps
+                dt = _seconds_per_call(call, 20 if n < 512 else 3, torch, s_ev, e_ev)
                 row = {"tokens": n, "weights": f, "variant": v, "us": dt * 1e6, "experts_read": union,
                        "GBps": union * slot_bytes[f] / dt / 1e9, "fraction_of_copy_bw": union * slot_bytes[f] / dt / bw,
                        "TFLOPs": 2 * n * pairs * 3 * d * i / dt / 1e12}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
+        if "route_c_len" in meta:
+            _time_combine(lib, meta, res, n, routes, x, h, y, tw, D, torch, s_ev, e_ev)
         gc.write_result(a.result, res)
     return 0
+
+
+def _seconds_per_call(call, reps: int, torch, s_ev, e_ev) -> float:
+    """Mean seconds of call(j) over `reps` calls after two warm-up calls (CUDA events)."""
+    for j in range(2):
+        call(j)
+    torch.cuda.synchronize()
+    s_ev.record()
+    for j in range(reps):
+        call(j)
+    e_ev.record()
+    e_ev.synchronize()
+    return s_ev.elapsed_time(e_ev) / 1e3 / reps
+
+
+def _time_combine(lib, meta, res, n, routes, x, h, y, tw, D, torch, s_ev, e_ev) -> None:
+    """One MoE layer's launches after the router GEMV, default parameters: route + gate_up + down + combine (+
+    residual) against route (with tickets) + gate_up + the down GEMM with the fused combine."""
+    d = Q35B["hidden_size"]
+    out = D(torch.empty((n, d), device="cuda", dtype=torch.bfloat16))
+    rcs = [D(torch.zeros(meta["route_c_len"], device="cuda", dtype=torch.int32)) for _ in routes]
+    for f in FORMATS:
+        half = len(tw[f]) // 2
+        gu, dn, dc = lib[f"gu_{f}_default"], lib[f"dn_{f}_default"], lib[f"dc_{f}"]
+
+        def unfused(j):
+            r = routes[j % len(routes)]
+            lib["route"](*r)
+            gu(x, r[3], r[4], *tw[f][:half], h)
+            dn(h, r[3], r[4], *tw[f][half:], y)
+            lib["combine"](y, r[2], x, out)
+
+        def fused(j):
+            r, rc = routes[j % len(routes)], rcs[j % len(routes)]
+            lib["route_c"](r[0], r[1], r[2], r[3], rc)
+            gu(x, r[3], rc, *tw[f][:half], h)
+            dc(h, r[3], rc, *tw[f][half:], r[2], x, x, y, out)
+
+        for tag, call in (("route+gu+down+combine", unfused), ("route_c+gu+down_combine", fused)):
+            row = {"tokens": n, "weights": f, "layer": tag,
+                   "us": _seconds_per_call(call, 20 if n < 512 else 3, torch, s_ev, e_ev) * 1e6}
+            res.setdefault("layer_rows", []).append(row)
+            print(json.dumps(row), flush=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ of the same arrays and routed to every token with weight sigmoid(gate): one expe
 
 The kernel set decides how the experts run (compile/kernels/moe.py for the contract):
   llvm: moe_topk, then moe_experts (each token reads its selected experts directly).
-  CUDA: moe_route (top-k, pairs sorted by expert), moe_gate_up / moe_down over the experts the batch
-        selected (compile/kernels/cuda/moe.py), moe_combine (weighted sum + residual in one pass).
+  CUDA: moe_route (top-k, pairs sorted by expert), moe_gate_up over the experts the batch selected, then
+        moe_down_combine: the down GEMM with the weighted sum + residual in its last block per row tile
+        (compile/kernels/cuda/moe.py).
 """
 from __future__ import annotations
 
@@ -73,13 +74,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(cfg, dtype, intermediate=cfg.shared_expert_intermediate_size)
         self.grouped = getattr(kernels, "moe_route", None) is not None  # CUDA: pairs grouped by expert
         if self.grouped:
-            self.route_len = kernels.moe_route_len(self.slots)
-            self.route_kernel = kernels.moe_route(e, k, cfg.norm_topk_prob, self.slots, self.pairs)
+            counters = kernels.moe_down_combine_counters(d)  # the fused down + combine's tickets in route
+            self.route_len = kernels.moe_route_len(self.slots, counters)
+            self.route_kernel = kernels.moe_route(e, k, cfg.norm_topk_prob, self.slots, self.pairs, counters)
             self.gate_up_kernel = kernels.moe_gate_up(d, inter, self.slots, self.pairs, dtype, self.weight_format)
-            self.down_kernel = kernels.moe_down(d, inter, self.slots, self.pairs, dtype, self.weight_format)
-            self.combine = {(res, sh): kernels.moe_combine(d, k, self.pairs, dtype, res, sh)
-                            for res in (False, True) for sh in (False, not self.fold)}
-            if None in (self.route_kernel, self.gate_up_kernel, self.down_kernel):
+            self.down_combine = {(res, sh): kernels.moe_down_combine(d, inter, self.slots, self.pairs, k, dtype,
+                                                                     self.weight_format, res, sh)
+                                 for res in (False, True) for sh in (False, not self.fold)}
+            if None in (self.route_kernel, self.gate_up_kernel, *self.down_combine.values()):
                 raise ValueError(f"no CUDA MoE kernels for {self.slots} expert slots, hidden {d}, experts {inter}, "
                                  f"{dtype} {self.weight_format or ''}")
         else:
@@ -111,7 +113,8 @@ class SparseMoeBlock(nn.Module):
         return y if residual is None else residual + y
 
     def _grouped(self, x, logits, residual):
-        """CUDA: top-k and pairs grouped by expert, the grouped GEMMs over the selected experts, one combine."""
+        """CUDA: top-k and pairs grouped by expert, the grouped GEMMs over the selected experts, the combine fused
+        into the down GEMM (decode-size calls: one launch; y is its scratch)."""
         cfg = self.cfg
         n, k, npairs = x.shape[0], cfg.num_experts_per_tok, x.shape[0] * self.pairs
         _, w, order, route = op.tensor_ir_op(
@@ -120,9 +123,10 @@ class SparseMoeBlock(nn.Module):
              nn.Tensor.placeholder((npairs,), "int32"), nn.Tensor.placeholder((self.route_len,), "int32")])
         h = op.tensor_ir_op(self.gate_up_kernel, "moe_gate_up", [x, order, route] + self.experts.gate_up_proj.buffers(),
                             nn.Tensor.placeholder((npairs, cfg.moe_intermediate_size), self.dtype))
-        y = op.tensor_ir_op(self.down_kernel, "moe_down", [h, order, route] + self.experts.down_proj.buffers(),
-                            nn.Tensor.placeholder((npairs, cfg.hidden_size), self.dtype))
-        extra = [] if self.fold else [self.shared_expert(x)]
-        res = [] if residual is None else [residual]
-        return op.tensor_ir_op(self.combine[(residual is not None, not self.fold)], "moe_combine", [y, w] + res + extra,
-                               nn.Tensor.placeholder((n, cfg.hidden_size), self.dtype))
+        sh = x if self.fold else self.shared_expert(x)  # x: a stand-in the kernel does not read
+        _, out = op.tensor_ir_op(
+            self.down_combine[(residual is not None, not self.fold)], "moe_down_combine",
+            [h, order, route] + self.experts.down_proj.buffers() + [w, x if residual is None else residual, sh],
+            [nn.Tensor.placeholder((npairs, cfg.hidden_size), self.dtype),
+             nn.Tensor.placeholder((n, cfg.hidden_size), self.dtype)])
+        return out

@@ -2,8 +2,9 @@
 (compile/kernels/cuda/emulate), against the llvm kernels (compile/kernels/moe.py) on the same inputs: router top-k and
 the expert grouping (one launch, or two past ROUTE_FUSED_MAX tokens), the grouped gate_up / down GEMMs (tensor-core,
 NVFP4 in-register dequantization and FMA
-paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders) and the combine; plus the wiring of the
-MoE block on CUDA and a compile check of the 35B-A3B shapes for sm_90 / sm_120."""
+paths, passes of 8 and of 8 * big_tiles pairs, K / row remainders), the combine and the down GEMM with the combine
+fused into its last block per row tile; the sm_90 wgmma tile's NVFP4 dequantization; plus the wiring of the MoE
+block on CUDA and compile checks of the 35B-A3B shapes for sm_90 / sm_120."""
 from __future__ import annotations
 
 import re
@@ -73,7 +74,9 @@ def _case_funcs(case) -> dict:
     funcs = {"route": M.moe_route(E, K, E != 6, Ex, P),
              "gu": M.expert_gemm("gate_up", D, 2 * I, Ex, P, dtype, fmt, **gemm),
              "dn": M.expert_gemm("down", I, D, Ex, P, dtype, fmt, **gemm),
-             "comb": M.moe_combine(D, K, P, dtype, True, not fold), "bare": M.moe_combine(D, K, P, dtype, False, False)}
+             "comb": M.moe_combine(D, K, P, dtype, True, not fold), "bare": M.moe_combine(D, K, P, dtype, False, False),
+             "routec": M.moe_route(E, K, E != 6, Ex, P, M.down_combine_counters(D)),
+             "dc": M.moe_down_combine(I, D, Ex, P, K, dtype, fmt, True, not fold, **gemm)}
     return {f"{name}__{k}": f.with_attr("global_symbol", f"{name}__{k}") for k, f in funcs.items()}
 
 
@@ -166,6 +169,27 @@ def test_moe_kernels_on_cpu_emulator_match_llvm(case, emu_lib):
         v = (v + (w[:, K:] * sh.astype(np.float32)).astype(dt).astype(np.float32)).astype(dt).astype(np.float32)
     np.testing.assert_array_equal(out.astype(np.float32), (res.astype(np.float32) + v).astype(dt).astype(np.float32))
 
+    # the down GEMM with the combine in its last block per row tile (FMA: a combine launch after it): the route
+    # launch zeroes the tickets after the grouping; the same bits as moe_down then moe_combine, and again on the
+    # next call (the route launch zeroes the tickets the first call left)
+    rc = np.full(M.route_len(Ex, M.down_combine_counters(D)), 7, np.int32)
+    rc[:M.route_len(Ex)] = -1  # as `route` was (entries past the used experts stay as they were)
+    for _ in range(2):
+        lib("routec", dict(logits=logits, ids=ids, w=w, order=order, route=rc), dict(n=n))
+        np.testing.assert_array_equal(rc[:M.route_len(Ex)], route)
+        assert not rc[M.route_len(Ex):].any()
+        y2, out2 = np.zeros_like(y), np.zeros_like(out)
+        lib("dc", dict(x=h, order=order, route=rc, cw=w, res=res, sh=sh if sh is not None else res, y=y2, out=out2, **dw),
+            dict(npairs=n * P, n=n))
+        assert np.array_equal(y2.view(np.uint8), y.view(np.uint8))
+        np.testing.assert_array_equal(out2.astype(np.float32), out.astype(np.float32))
+    # FMA: the passes then a combine launch; else the fused kernel, and its decode variant (<= DECODE_TOKENS tokens)
+    fused = emu_lib.kernel_names(f"{name}__dc")
+    assert len(fused) == 2, fused
+    if M.gemm_path(I, dtype, fmt == "nvfp4") != "fma":
+        assert len(emu_lib.kernel_names(f"{name}__dn")) == 2  # the passes, and their decode variant (the cases
+        # run both: 4 / 5 / 7 tokens and 9 / 12 / 50 / 70)
+
 
 def test_moe_block_uses_the_cuda_kernels():
     """On CUDA the MoE block runs top-k, align, the grouped GEMMs and the combine (the residual fused where the
@@ -187,9 +211,11 @@ def test_moe_block_uses_the_cuda_kernels():
     mod = m.export_tvm(spec=m.export_spec())[0]
     for fn in ("decode", "prefill", "verify", "mtp_step", "mtp_step_sl"):
         calls = re.findall(r"call_tir\((?:cls\.)?(\w+)", mod[fn].script())
-        for k in ("moe_route", "moe_gate_up", "moe_down", "moe_combine"):
+        for k in ("moe_route", "moe_gate_up", "moe_down_combine"):
             assert sum(c.startswith(k) for c in calls) == (1 if fn.startswith("mtp") else 2), (fn, k)
-        combine = [c for c in calls if c.startswith("moe_combine")]
+        assert not any(c.startswith("moe_combine") or c.startswith("moe_down_") and "combine" not in c
+                       for c in calls), (fn, calls)
+        combine = [c for c in calls if c.startswith("moe_down_combine")]
         assert all(c.endswith("_res") for c in combine) == (fn != "mtp_step_sl"), (fn, combine)
         if fn in ("decode", "verify", "mtp_step"):
             assert any(c.startswith("gemv_") and c.endswith("x9_bf16_f32") for c in calls), (fn, calls)  # router
@@ -202,7 +228,7 @@ def test_moe_block_uses_the_cuda_kernels():
 @pytest.mark.parametrize("arch", ["sm_90", "sm_120"])
 def test_moe_35b_kernels_compile(tmp_path, arch):
     """The Qwen3.5-35B-A3B MoE shapes (256 experts + the shared one, top-8, hidden 2048, experts 512), bf16 and
-    NVFP4, compile to a fatbin; on sm_90 without register spills."""
+    NVFP4, the down GEMM alone and with the fused combine, compile to a fatbin; on sm_90 without register spills."""
     import subprocess
 
     import tvm
@@ -215,6 +241,7 @@ def test_moe_35b_kernels_compile(tmp_path, arch):
     for fmt in (None, "nvfp4"):
         funcs[f"gu_{fmt}"] = M.expert_gemm("gate_up", D, 2 * I, E + 1, K + 1, "bfloat16", fmt)
         funcs[f"dn_{fmt}"] = M.expert_gemm("down", I, D, E + 1, K + 1, "bfloat16", fmt)
+        funcs[f"dc_{fmt}"] = M.moe_down_combine(I, D, E + 1, K + 1, K, "bfloat16", fmt, True, False)
     funcs = {k: f.with_attr("global_symbol", k) for k, f in funcs.items()}
     tgt = parse_target("cuda:" + arch).tvm_target()
     with cuda_build_env(tgt):
@@ -228,14 +255,19 @@ def test_moe_35b_kernels_compile(tmp_path, arch):
         r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
                             str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")],
                            capture_output=True, text=True, check=True)
-        spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
-        assert spills and set(spills) == {"0"}, r.stderr
+        spills = re.findall(r"Function properties for (\w+)\n\s+\d+ bytes stack frame, (\d+) bytes spill stores",
+                            r.stderr)
+        # ptxas keeps the bf16 fused down + combine's decode kernel at 64 registers with one 4-byte spill (in a
+        # memory-bound kernel); everything else: none
+        assert len(spills) >= 10 and all(s == "0" or fn.startswith("dc_") and int(s) <= 8 for fn, s in spills), \
+            r.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
     """sm_90: the 35B-A3B gate_up / down with large groups launch the grouped wgmma kernel (gemm_sm90's tile:
-    128 accumulators in registers, no stack, no spills, no wgmma serialization) next to the mma.sync passes."""
+    128 accumulators in registers, no stack, no spills, no wgmma serialization) next to the mma.sync passes, bf16
+    and NVFP4 (B dequantized into the shared ring, moe_sm90.py)."""
     import subprocess
 
     import tvm
@@ -246,7 +278,8 @@ def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
     tgt = parse_target("cuda:sm_90").tvm_target()
     with tgt:
         ks = registry.kernel_set()
-    funcs = {"gu": ks.moe_gate_up(2048, 512, 257, 9, "bfloat16"), "dn": ks.moe_down(2048, 512, 257, 9, "bfloat16")}
+    funcs = {f"{k}_{fmt}": kern(2048, 512, 257, 9, "bfloat16", fmt)
+             for k, kern in (("gu", ks.moe_gate_up), ("dn", ks.moe_down)) for fmt in (None, "nvfp4")}
     for f in funcs.values():
         assert "if npairs >= T.int64(12336)" in f.script()  # 48 pairs per expert slot on average
     with parse_target("cuda:sm_120").tvm_target():
@@ -254,13 +287,53 @@ def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
     with cuda_build_env(tgt):
         ex = tvm.compile(tvm.IRModule({k: f.with_attr("global_symbol", k) for k, f in funcs.items()}), target=tgt)
     src = ex.mod.imports[0].inspect_source("cuda")
-    assert src.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 2
+    assert src.count("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16") == 4
+    assert src.count("ninfer_moe_nvfp4_dq8(d, bq[j], bs[j])") == 2  # NVFP4 B dequantized into the shared ring
     (tmp_path / "m.cu").write_text(src)
     r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90a", "-O3", "--use_fast_math", "-Xptxas", "-v",
                         str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")], capture_output=True, text=True,
                        check=True)
     assert "C7514" not in r.stderr and "C7510" not in r.stderr, r.stderr
     frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
-    assert len(frames) == 4 and all(s == "0" for _, s in frames), r.stderr
+    assert len(frames) == 12 and all(s == "0" for _, s in frames), r.stderr  # wgmma, passes, decode passes
     wg = re.findall(r"Function properties for (\w+_kernel(?:_\d)?)\n\s+(\d+) bytes stack frame", r.stderr)
     assert wg and all(fr == "0" for _, fr in wg), r.stderr
+
+
+@emu
+def test_nvfp4_dq8_on_cpu_emulator_is_exact(tmp_path):
+    """The sm_90 wgmma tile's NVFP4 B chunk (moe.py _DQ8): 8 codes of one word and their E4M3 block scale -> bf16
+    e2m1 * e4m3 * 2^-7 in natural K order, exact, for every code and every scale byte (subnormal ones too)."""
+    from tvm.script import tirx as T
+
+    from ninfer_mlc.compile.kernels.cuda import moe as M
+    from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
+
+    src = M._BF16X2 + M._DQ8 + M._src("ninfer_test_dq8", """
+__device__ __forceinline__ void ninfer_test_dq8(const unsigned* codes, const unsigned char* sc, unsigned* out) {
+  if (threadIdx.x == 0) ninfer_moe_nvfp4_dq8(out + 4 * blockIdx.x, codes[blockIdx.x], sc[blockIdx.x]);
+}""")
+
+    @T.prim_func
+    def dq8(var_c: T.handle, var_s: T.handle, var_o: T.handle):
+        n = T.int64()
+        c = T.match_buffer(var_c, (n,), "uint32")
+        s = T.match_buffer(var_s, (n,), "uint8")
+        o = T.match_buffer(var_o, (n, 4), "uint32")
+        for b in T.thread_binding(n, thread="blockIdx.x"):
+            for tx in T.thread_binding(32, thread="threadIdx.x"):
+                T.evaluate(T.cuda.func_call("ninfer_test_dq8", T.address_of(c[0]), T.address_of(s[0]),
+                                            T.address_of(o[0, 0]), source_code=src))
+
+    lib = EmuLib({"dq8": dq8.with_attr("global_symbol", "dq8")}, workdir=tmp_path)
+    rng = np.random.default_rng(3)
+    scales = np.arange(0x7F, dtype=np.uint8)  # every E4M3 byte but NaN (block scales are positive)
+    nib = np.stack([rng.permutation(16)[:8] for _ in scales]).astype(np.uint32)  # 8 distinct codes per word
+    codes = (nib << (4 * np.arange(8, dtype=np.uint32))).sum(1).astype(np.uint32)
+    out = np.zeros((len(scales), 4), np.uint32)
+    lib("dq8", dict(c=codes, s=scales, o=out), dict(n=len(scales)))
+    got = out.view(ml_dtypes.bfloat16).astype(np.float64).reshape(len(scales), 8)
+    mag = np.array([0, .5, 1, 1.5, 2, 3, 4, 6])[nib & 7] * np.where(nib & 8, -1, 1)
+    e, m = (scales >> 3) & 15, (scales & 7).astype(np.float64)
+    s = np.where(e == 0, m * 2.0 ** -9, 2.0 ** (e.astype(np.float64) - 7) * (1 + m / 8))
+    np.testing.assert_array_equal(got, mag * s[:, None] * 2.0 ** -7)

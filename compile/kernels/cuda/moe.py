@@ -4,8 +4,9 @@ compile/moe.py composes them (the llvm set instead runs compile/kernels/moe.py's
 numerics contract is that file's). A token t has P (expert, weight) pairs p = t * P + j (the top-k, plus the
 shared expert when it is folded into the expert arrays):
 
-  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex)] i32
-      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch:
+  moe_route(logits[n, E+1] f32) -> ids[n, K+1] i32, w[n, K+1] f32, order[n*P] i32, route[route_len(Ex, C)] i32
+      up to ROUTE_FUSED_MAX tokens one block (one launch), else a top-k launch then an align launch (which also
+      zeroes the C tickets after the grouping that moe_down_combine counts on):
     top-k: one warp per token: softmax over the E logits (fp32, IEEE divisions), K rounds of a warp argmax
       (larger p, then lower index), renormalised when `norm`; column K = (E, sigmoid(logits[E])).
     align: one block: pairs counted per expert (shared atomics), scanned, scattered; order = pair ids grouped by
@@ -20,6 +21,9 @@ shared expert when it is folded into the expert arrays):
       y[order[s]] = round(down[e] @ h[s]) (the pair's row; weighting is left to the combine).
   moe_combine(y, w[, res][, shared]) -> out[n, D]
       out[t] = round(res[t] + sum_j w[t, j] * y[t*P + j] (+ w[t, K] * shared[t])), fp32 sums in j order.
+  moe_down_combine(h, order, route, down..., w, res, shared) -> y (scratch), out: the two above in one launch for
+      decode-size calls (the last block of each row tile combines its rows: a ticket per tile in route; what
+      compile/moe.py runs), the wgmma / FMA passes then the combine launch otherwise: the same numbers.
 
 The expert GEMMs launch grid (row tiles, min(Ex, n*P)): block (tile, u) takes the u-th selected expert (blocks
 past U exit), so decode reads only the weights of the experts its batch selected, each once, whatever the
@@ -27,7 +31,9 @@ batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.p
 (gate_up: 8 gate rows and their 8 up rows, so silu_mul pairs them in one thread) as the A operand of
 mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
 loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
-passes of 8 * big_tiles columns. Both pass widths split K the same way (one unroll), so a pair's sums do not
+passes of 8 * big_tiles columns (calls of at most DECODE_TOKENS tokens, whose groups hold at most 8 pairs, launch a
+kernel of the 8-pair passes alone: half the registers, so all its blocks are resident at once). Both pass widths
+split K the same way (one unroll), so a pair's sums do not
 depend on where in its group the align step's atomics put it: the results are deterministic (CUDA graph replays
 equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
 in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
@@ -41,6 +47,7 @@ The device code is CUDA text inside `// NINFER_ATTN_SRC_BEGIN/END` (the inline-a
 from __future__ import annotations
 
 from functools import lru_cache
+from types import SimpleNamespace
 
 from tvm.script import tirx as T
 
@@ -82,12 +89,29 @@ __device__ __forceinline__ uint4 ninfer_moe_ldw(const void* p) {
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
   return r;
 }""")
+# loads past L1 (rows written by other blocks of the same launch) and the fence before a grid-wide ticket
+_LDCG = _dev("ninfer_moe_ldcg", """
+template <class T> __device__ __forceinline__ T ninfer_moe_ldcg(const T* p) { return __ldcg(p); }
+__device__ __forceinline__ void ninfer_moe_fence() { __threadfence(); }""")
 _ATOMIC = _dev("ninfer_moe_atomic_add", """
 __device__ __forceinline__ int ninfer_moe_atomic_add(int* p, int v) { return atomicAdd(p, v); }""")
 # gemv.py's NVFP4 register dequantization under this file's names (TVM emits one source per called function:
 # the dense GEMV's copy is not guarded)
 _BF16X2 = _dev("ninfer_moe_bf16x2_mul", gemv_kernels._BF16X2_MUL_SRC.replace("ninfer_bf16x2_mul",
                                                                             "ninfer_moe_bf16x2_mul"))
+# 8 E2M1 codes (one word: element i in nibble i, dequant.py's order) and their E4M3 block scale -> 4 bf16x2 words
+# in natural order (elements 2m, 2m + 1 in word m) = e2m1 * e4m3 * 2^-7, exact: _DQ32's bit trick for one B chunk
+# of the sm_90 wgmma tile (moe_sm90.py), whose K order is the activations' own
+_DQ8 = _src("ninfer_moe_nvfp4_dq8", """
+__device__ __forceinline__ void ninfer_moe_nvfp4_dq8(unsigned* d, unsigned codes, unsigned sc) {
+  unsigned s = ((sc << 4) & 0x7F0u) | ((sc << 20) & 0x7F00000u);  // s * 2^-120 in both halves
+  s = ninfer_moe_bf16x2_mul(ninfer_moe_bf16x2_mul(s, 0x7B807B80u), 0x7B007B00u);  // s * 2^119
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const unsigned b = (codes >> (8 * m)) & 0xFFu;  // nibbles 2m, 2m + 1 -> bits 0..3, 16..19 -> e2m1 * 2^-126
+    d[m] = ninfer_moe_bf16x2_mul((((b & 0xFu) | ((b & 0xF0u) << 12)) * 0x1040u) & 0x81C081C0u, s);
+  }
+}""")
 _DQ32 = _src("ninfer_moe_nvfp4_dq32", gemv_kernels._NVFP4_DQ_BODY.replace("ninfer_nvfp4_dq32", "ninfer_moe_nvfp4_dq32")
              .replace("ninfer_bf16x2_mul", "ninfer_moe_bf16x2_mul"))
 
@@ -169,8 +193,10 @@ __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __
 from .moe_sm90 import TILE_ROWS  # noqa: E402 - pairs per row tile of the sm_90 wgmma launch
 
 
-def route_len(slots: int) -> int:
-    return 3 * slots + 3
+def route_len(slots: int, counters: int = 0) -> int:
+    """int32 entries of moe_route's route buffer: the grouping (3 * slots + 3), then `counters` zeroed tickets of
+    the fused down + combine (moe_down_combine: one per row tile of the down GEMM)."""
+    return 3 * slots + 3 + counters
 
 
 def align_threads(slots: int) -> int:
@@ -180,8 +206,10 @@ def align_threads(slots: int) -> int:
     return nt
 
 
-def align_source(name: str, Ex: int, K: int, P: int) -> str:
+def align_source(name: str, Ex: int, K: int, P: int, counters: int = 0) -> str:
     NT = align_threads(Ex)
+    zero = (f"\n  for (int i = tid; i < {counters}; i += {NT}) route[{route_len(Ex)} + i] = 0;  // down + combine tickets"
+            if counters else "")
     return _src(name, f"""
 // one block of {NT}: pair p = t * {P} + j of expert ids[t, j]; counting sort by expert ({Ex} slots)
 __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restrict__ order, int* __restrict__ route,
@@ -219,7 +247,7 @@ __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restr
   }}
   if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; route[{2 * Ex + 2} + sb[tid]] = sc[tid]; }}
   __syncthreads();
-  for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;
+  for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;{zero}
 }}""")
 
 
@@ -227,19 +255,20 @@ ROUTE_FUSED_MAX = 64  # tokens up to which moe_route is one block (decode, verif
 
 
 @lru_cache(maxsize=None)
-def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int):
+def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int, counters: int = 0):
     """Router top-k then the pairs grouped by expert: logits -> ids, w, order, route. Up to ROUTE_FUSED_MAX tokens one
     block does both (its warps take the tokens' top-k, a barrier, then the counting sort: one launch per decode
-    layer instead of two); more tokens launch the two kernels."""
-    E, K, Ex, P = int(n_experts), int(top_k), int(n_slots), int(pairs)
+    layer instead of two); more tokens launch the two kernels. counters: zeroed tickets after the grouping
+    (route_len)."""
+    E, K, Ex, P, C = int(n_experts), int(top_k), int(n_slots), int(pairs), int(counters)
     if Ex > 1024:
         return None
     tname = f"ninfer_moe_topk_e{E}_k{K}_{'n' if norm else 'r'}"
-    aname = f"ninfer_moe_align_s{Ex}_k{K}_p{P}"
-    name = f"ninfer_moe_route_e{E}_k{K}_{'n' if norm else 'r'}_s{Ex}_p{P}"
+    aname = f"ninfer_moe_align_s{Ex}_k{K}_p{P}" + (f"_c{C}" if C else "")
+    name = f"ninfer_moe_route_e{E}_k{K}_{'n' if norm else 'r'}_s{Ex}_p{P}" + (f"_c{C}" if C else "")
     NT = align_threads(Ex)
     tsrc = topk_source(tname, E, K, bool(norm))
-    asrc = _ATOMIC + align_source(aname, Ex, K, P)
+    asrc = _ATOMIC + align_source(aname, Ex, K, P, C)
     src = tsrc + asrc + _src(name, f"""
 __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ w,
                                        int* __restrict__ order, int* __restrict__ route, int n) {{
@@ -257,7 +286,7 @@ __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __
         ids = T.match_buffer(var_ids, (n, K + 1), "int32")
         w = T.match_buffer(var_w, (n, K + 1), "float32")
         order = T.match_buffer(var_order, (n * P,), "int32")
-        route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+        route = T.match_buffer(var_route, (route_len(Ex, C),), "int32")
         with T.sblock("root"):
             if n <= ROUTE_FUSED_MAX:
                 for b in T.thread_binding(1, thread="blockIdx.x"):
@@ -542,7 +571,8 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
             xr = T.int64()
             x = T.match_buffer(var_x, (xr, K), dtype)
             order = T.match_buffer(var_order, (npairs,), "int32")
-            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+            rl = T.int64()
+            route = T.match_buffer(var_route, (rl,), "int32")  # route_len(Ex[, counters])
             wq = T.match_buffer(var_wq, (Ex, O, K // 2), "uint8")
             wsc = T.match_buffer(var_wsc, (Ex, O, K // 16), "uint8")
             wg = T.match_buffer(var_wg, (Ex, O), "float32")
@@ -557,11 +587,76 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
             xr = T.int64()
             x = T.match_buffer(var_x, (xr, K), dtype)
             order = T.match_buffer(var_order, (npairs,), "int32")
-            route = T.match_buffer(var_route, (route_len(Ex),), "int32")
+            rl = T.int64()
+            route = T.match_buffer(var_route, (rl,), "int32")  # route_len(Ex[, counters])
             w = T.match_buffer(var_w, (Ex, O, K), dtype)
             out = T.match_buffer(var_out, (npairs, OO), dtype)
             run(npairs, x, order, route, [T.address_of(w[0, 0, 0])], out, w)
     return f
+
+
+def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: bool, warps: int, unroll: int,
+                big_tiles: int, wgmma: tuple | None) -> SimpleNamespace:
+    """The grouped GEMM's device functions and launch macros: small (the mma.sync / FMA passes) and big
+    (moe_sm90's wgmma tile, None where it does not apply) from min_pairs pairs. fns: [(name, src)] of the passes,
+    then, where big_tiles > 1, the decode variant that calls of at most DECODE_TOKENS tokens launch (groups of at
+    most 8 pairs: only the 8-pair passes, compiled alone: about half the registers, so a decode launch's blocks
+    are resident at once; the same K split, so the same numbers)."""
+    silu = kind == "gate_up"
+    path = gemm_path(K, dtype, nvfp4)
+    tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
+                  f"{big_tiles}")
+    name = f"ninfer_moe_{tag}"
+    if path == "nvfp4":  # unroll counts 128-element K steps there
+        unroll = max(1, unroll // 2)
+    fns = [(n, gemm_source(n, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=bt))
+           for n, bt in [(name, big_tiles)] + ([(name + "_b1", 1)] if path != "fma" and big_tiles > 1 else [])]
+    TILES = gemm_tiles(O, silu, path)
+    NT = gemm_threads(path, warps)
+
+    def passes(fn: str, src: str):
+        @T.macro
+        def launch(npairs, x, order, route, wptrs, out):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(fn, T.address_of(x[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
+                                                    source_code=src))
+        return launch
+
+    small = _by_tokens(P, *[passes(*f) for f in fns])
+    big, min_pairs = None, 0
+    if wgmma is not None and path in ("mma", "nvfp4") and moe_sm90.applies(K, O, dtype, silu, wgmma[0], wgmma[1],
+                                                                         nvfp4):
+        bn, stages, per_expert = wgmma
+        min_pairs = per_expert * Ex
+        big = moe_sm90.grouped_launch(name + "_wgmma", K, O, Ex, P, dtype, silu, bn=bn, stages=stages, nvfp4=nvfp4,
+                                      helpers=_BF16X2 + _DQ8 if nvfp4 else "")
+    return SimpleNamespace(name=name, fns=fns, path=path, TILES=TILES, NT=NT, small=small, big=big,
+                           min_pairs=min_pairs)
+
+
+DECODE_TOKENS = 8  # calls of at most this many tokens launch the 8-pair passes' own kernel (_gemm_parts)
+
+
+def _by_tokens(P: int, full, decode=None):
+    """The launch macro (npairs, ...) that runs `decode` for calls of at most DECODE_TOKENS tokens, else `full`."""
+    if decode is None:
+        return full
+
+    @T.macro
+    def launch(npairs, *args):
+        if npairs <= DECODE_TOKENS * P:
+            decode(npairs, *args)
+        else:
+            full(npairs, *args)
+    return launch
+
+
+def _supported(silu: bool, K: int, O: int, dtype: str, weight_format: str | None) -> bool:
+    nvfp4 = weight_format == "nvfp4"
+    return weight_format in (None, "nvfp4") and dtype in _CT and not (silu and O % 2) and not (nvfp4 and K % 16)
 
 
 @lru_cache(maxsize=None)
@@ -571,42 +666,22 @@ def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str,
     """moe_gate_up (kind "gate_up": x [n, K], weights [Ex, O = 2I, K], out h [n*P, O/2]) or moe_down (kind "down":
     x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies.
     wgmma: (bn, stages, rows_per_expert) on sm_90: calls with at least rows_per_expert pairs per expert slot on
-    average launch moe_sm90's grouped wgmma kernel instead (16-bit weights): its 128-row tiles pay off once the
-    groups are large (prefill chunks of thousands of tokens), the mma.sync passes read each weight once below."""
+    average launch moe_sm90's grouped wgmma kernel instead (16-bit weights, or NVFP4 dequantized once per tile into
+    its shared ring): its 128-row tiles pay off once the groups are large (prefill chunks of thousands of tokens),
+    the mma.sync passes read each weight once below."""
     silu = kind == "gate_up"
-    nvfp4 = weight_format == "nvfp4"
-    if weight_format not in (None, "nvfp4") or dtype not in _CT or (silu and O % 2) or (nvfp4 and K % 16):
+    if not _supported(silu, K, O, dtype, weight_format):
         return None
+    nvfp4 = weight_format == "nvfp4"
     Ex, P = int(n_slots), int(pairs)
-    path = gemm_path(K, dtype, nvfp4)
-    OO = O // 2 if silu else O
-    tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
-                  f"{big_tiles}")
-    name = f"ninfer_moe_{tag}"
-    if path == "nvfp4":  # unroll counts 128-element K steps there
-        unroll = max(1, unroll // 2)
-    src = gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=big_tiles)
-    TILES = gemm_tiles(O, silu, path)
-    NT = gemm_threads(path, warps)
+    g = _gemm_parts(kind, K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma)
+    small, big, min_pairs = g.small, g.big, g.min_pairs
 
-    @T.macro
-    def small(npairs, x, order, route, wptrs, out):
-        for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
-            for bx in T.thread_binding(TILES, thread="blockIdx.x"):
-                for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                    T.evaluate(T.cuda.func_call(name, T.address_of(x[0, 0]), T.address_of(order[0]),
-                                                T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
-                                                source_code=src))
-
-    if wgmma is not None and path == "mma" and moe_sm90.applies(K, O, dtype, silu, wgmma[0], wgmma[1]):
-        bn, stages, per_expert = wgmma
-        min_pairs = per_expert * Ex
-        big = moe_sm90.grouped_launch(name + "_wgmma", K, O, Ex, P, dtype, silu, bn=bn, stages=stages)
-
+    if big is not None:
         @T.macro
         def run(npairs, x, order, route, wptrs, out, w):
             if npairs >= min_pairs:
-                big(npairs, x, order, route, w, out)
+                big(npairs, x, order, route, wptrs, out)
             else:
                 small(npairs, x, order, route, wptrs, out)
     else:
@@ -614,37 +689,176 @@ def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str,
         def run(npairs, x, order, route, wptrs, out, w):
             small(npairs, x, order, route, wptrs, out)
 
-    return _opaque(_expert_entry(K, O, OO, Ex, P, dtype, nvfp4, run), name)
+    return _opaque(_expert_entry(K, O, O // 2 if silu else O, Ex, P, dtype, nvfp4, run), g.name)
+
+
+DOWN_TILE = 16  # output rows per block of the mma.sync / NVFP4 down passes (gemm_tiles)
+
+
+def down_combine_counters(hidden: int) -> int:
+    """Tickets moe_down_combine needs after the grouping in the route buffer (route_len's counters)."""
+    return (int(hidden) + DOWN_TILE - 1) // DOWN_TILE
+
+
+def down_combine_source(fname: str, gname: str, cname: str, O: int, Ex: int, dtype: str, nvfp4: bool, NT: int) -> str:
+    """{fname}: block (tile, u) of the down passes, then the last of the U blocks of its row tile (a ticket in
+    route after the grouping: fence, atomic add; the align step zeroed it) combines those rows for every token.
+    The combine reads only y rows this launch wrote (fenced, past L1): the same numbers as moe_combine's launch."""
+    ct = _CT[dtype]
+    wargs = "wq, wsc, wg" if nvfp4 else "w"
+    return _ATOMIC + _src(fname, f"""
+__device__ __forceinline__ void {fname}(const {ct}* __restrict__ x, const int* __restrict__ order, int* route,
+    {_weight_decl(ct, nvfp4)}, {ct}* __restrict__ y, const float* __restrict__ cw, const {ct}* __restrict__ res,
+    const {ct}* __restrict__ sh, {ct}* __restrict__ out, const int n) {{
+  __shared__ int last[1];
+  if ((int)blockIdx.y >= route[{Ex + 1}]) return;  // the whole block: fewer experts selected than launched
+  {gname}(x, order, route, {wargs}, y);
+  ninfer_moe_fence();  // this block's y rows, before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0)
+    last[0] = ninfer_moe_atomic_add(route + {route_len(Ex)} + blockIdx.x, 1) == route[{Ex + 1}] - 1;
+  __syncthreads();
+  if (!last[0]) return;
+  ninfer_moe_fence();
+#pragma unroll 1
+  for (int i = threadIdx.x; i < n * {DOWN_TILE}; i += {NT}) {{
+    const int t = i / {DOWN_TILE}, d = blockIdx.x * {DOWN_TILE} + i % {DOWN_TILE};
+    if (d < {O}) out[(long long)t * {O} + d] = {cname}_at(y, cw, res, sh, t, d);
+  }}
+}}""")
+
+
+@lru_cache(maxsize=None)
+def moe_down_combine(K: int, O: int, n_slots: int, pairs: int, top_k: int, dtype: str, weight_format: str | None,
+                     residual: bool, shared: bool, *, warps: int = 4, unroll: int = 4, big_tiles: int = 4,
+                     wgmma: tuple | None = None):
+    """moe_down then moe_combine in one prim_func(h[n*P, K], order, route, weights..., w[n, top_k+1], res[n, O],
+    sh[n, O], y[n*P, O], out[n, O]) (res / sh read only when residual / shared: pass any [n, O] array otherwise).
+    The mma.sync / NVFP4 passes combine in their last block per row tile (down_combine_source: one launch; the
+    route buffer carries down_combine_counters(O) tickets); the wgmma and FMA paths launch moe_combine's kernel
+    after the GEMM. None where no path applies."""
+    if not _supported(False, K, O, dtype, weight_format):
+        return None
+    nvfp4 = weight_format == "nvfp4"
+    Ex, P, Kt = int(n_slots), int(pairs), int(top_k)
+    g = _gemm_parts("down", K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma)
+    cname = _combine_name(O, Kt, P, dtype, residual, shared)
+    csrc = combine_source(cname, O, Kt, P, dtype, residual, shared)
+    comb = _combine_launch(cname, csrc, O)
+    small, big, min_pairs, TILES, NT = g.small, g.big, g.min_pairs, g.TILES, g.NT
+    suffix = f"_k{Kt}{'_sh' if shared else ''}{'_res' if residual else ''}"
+
+    def fused_launch(gname: str, gsrc: str):
+        fname = gname.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix
+        src = gsrc + csrc + down_combine_source(fname, gname, cname, O, Ex, dtype, nvfp4, NT)
+
+        @T.macro
+        def launch(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(T.cuda.func_call(fname, T.address_of(x[0, 0]), T.address_of(order[0]),
+                                                    T.address_of(route[0]), *wptrs, T.address_of(y[0, 0]),
+                                                    T.address_of(cw[0, 0]), rp, sp, T.address_of(out[0, 0]),
+                                                    T.Cast("int32", n), source_code=src))
+        return launch
+
+    fused = _by_tokens(P, *[fused_launch(*f) for f in g.fns])
+    fname = g.name.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix
+
+    if g.path == "fma":
+        @T.macro
+        def run(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
+            small(npairs, x, order, route, wptrs, y)
+            comb(n, y, cw, rp, sp, out)
+    elif big is not None:
+        @T.macro
+        def run(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
+            if npairs >= min_pairs:
+                big(npairs, x, order, route, wptrs, y)
+                comb(n, y, cw, rp, sp, out)
+            else:
+                fused(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out)
+    else:
+        @T.macro
+        def run(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
+            fused(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out)
+
+    if nvfp4:
+        @T.prim_func
+        def f(var_x: T.handle, var_order: T.handle, var_route: T.handle, var_wq: T.handle, var_wsc: T.handle,
+              var_wg: T.handle, var_cw: T.handle, var_res: T.handle, var_sh: T.handle, var_y: T.handle,
+              var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            npairs, n, rl = T.int64(), T.int64(), T.int64()
+            x = T.match_buffer(var_x, (npairs, K), dtype)
+            order = T.match_buffer(var_order, (npairs,), "int32")
+            route = T.match_buffer(var_route, (rl,), "int32")
+            wq = T.match_buffer(var_wq, (Ex, O, K // 2), "uint8")
+            wsc = T.match_buffer(var_wsc, (Ex, O, K // 16), "uint8")
+            wg = T.match_buffer(var_wg, (Ex, O), "float32")
+            cw = T.match_buffer(var_cw, (n, Kt + 1), "float32")
+            res = T.match_buffer(var_res, (n, O), dtype)
+            sh = T.match_buffer(var_sh, (n, O), dtype)
+            y = T.match_buffer(var_y, (npairs, O), dtype)
+            out = T.match_buffer(var_out, (n, O), dtype)
+            run(npairs, n, x, order, route, [T.address_of(wq[0, 0, 0]), T.address_of(wsc[0, 0, 0]),
+                                             T.address_of(wg[0, 0])], cw, T.address_of(res[0, 0]),
+                T.address_of(sh[0, 0]), y, out)
+    else:
+        @T.prim_func
+        def f(var_x: T.handle, var_order: T.handle, var_route: T.handle, var_w: T.handle, var_cw: T.handle,
+              var_res: T.handle, var_sh: T.handle, var_y: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            npairs, n, rl = T.int64(), T.int64(), T.int64()
+            x = T.match_buffer(var_x, (npairs, K), dtype)
+            order = T.match_buffer(var_order, (npairs,), "int32")
+            route = T.match_buffer(var_route, (rl,), "int32")
+            w = T.match_buffer(var_w, (Ex, O, K), dtype)
+            cw = T.match_buffer(var_cw, (n, Kt + 1), "float32")
+            res = T.match_buffer(var_res, (n, O), dtype)
+            sh = T.match_buffer(var_sh, (n, O), dtype)
+            y = T.match_buffer(var_y, (npairs, O), dtype)
+            out = T.match_buffer(var_out, (n, O), dtype)
+            run(npairs, n, x, order, route, [T.address_of(w[0, 0, 0])], cw, T.address_of(res[0, 0]),
+                T.address_of(sh[0, 0]), y, out)
+    return _opaque(f, fname)
 
 
 # ---------------------------------------------------------------------------------------------
 # combine
 def combine_source(name: str, D: int, K: int, P: int, dtype: str, residual: bool, shared: bool) -> str:
+    """{name}_at(y, w, res, sh, t, d): one output element; {name}(y, w, res, sh, out, n): one thread each. y is read
+    past L1 (ninfer_moe_ldcg): the fused down + combine reads rows other blocks of the same launch wrote."""
     ct = _CT[dtype]
     acc = "s" if not shared else f"(float)({ct})s + (float)({ct})(w[t * {K + 1} + {K}] * (float)sh[i])"
     val = f"(float)({ct})s" if not shared else f"(float)({ct})({acc})"
     out = f"({ct})((float)res[i] + {val})" if residual else f"({ct})({val})"
-    return _src(name, f"""
-// out[t, d] = res + round(sum_j w[t, j] * y[t*{P} + j, d]){" + round(w[t, K] * shared)" if shared else ""}
+    return _LDCG + _src(name, f"""
+// res + round(sum_j w[t, j] * y[t*{P} + j, d]){" + round(w[t, K] * shared)" if shared else ""} at (t, d)
+__device__ __forceinline__ {ct} {name}_at(const {ct}* __restrict__ y, const float* __restrict__ w,
+    const {ct}* __restrict__ res, const {ct}* __restrict__ sh, const int t, const int d) {{
+  const long long i = (long long)t * {D} + d;
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < {P}; ++j) s += w[t * {K + 1} + j] * (float)ninfer_moe_ldcg(y + ((long long)t * {P} + j) * {D} + d);
+  return {out};
+}}
+
 __device__ __forceinline__ void {name}(const {ct}* __restrict__ y, const float* __restrict__ w,
     const {ct}* __restrict__ res, const {ct}* __restrict__ sh, {ct}* __restrict__ out, int n) {{
   const long long i = (long long)blockIdx.x * {COMBINE_THREADS} + threadIdx.x;
-  if (i >= (long long)n * {D}) return;
-  const int t = (int)(i / {D}), d = (int)(i % {D});
-  float s = 0.f;
-#pragma unroll
-  for (int j = 0; j < {P}; ++j) s += w[t * {K + 1} + j] * (float)y[((long long)t * {P} + j) * {D} + d];
-  out[i] = {out};
+  if (i < (long long)n * {D}) out[i] = {name}_at(y, w, res, sh, (int)(i / {D}), (int)(i % {D}));
 }}""")
 
 
-@lru_cache(maxsize=None)
-def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool, shared: bool):
-    """prim_func(y[n*P, D], w[n, K+1][, res[n, D]][, shared[n, D]], out[n, D])."""
-    D, K, P = int(hidden), int(top_k), int(pairs)
-    tag = f"d{D}_k{K}_p{P}_{_MMA_T.get(dtype, 'f32')}{'_res' if residual else ''}{'_sh' if shared else ''}"
-    name = f"ninfer_moe_combine_{tag}"
-    src = combine_source(name, D, K, P, dtype, residual, shared)
+def _combine_name(D: int, K: int, P: int, dtype: str, residual: bool, shared: bool) -> str:
+    return (f"ninfer_moe_combine_d{D}_k{K}_p{P}_{_MMA_T.get(dtype, 'f32')}{'_res' if residual else ''}"
+            f"{'_sh' if shared else ''}")
+
+
+def _combine_launch(name: str, src: str, D: int):
+    """The macro (n, y, w, res address, shared address, out) of one combine launch."""
     NT = COMBINE_THREADS
 
     @T.macro
@@ -653,6 +867,16 @@ def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool,
             for tx in T.thread_binding(NT, thread="threadIdx.x"):
                 T.evaluate(T.cuda.func_call(name, T.address_of(y[0, 0]), T.address_of(w[0, 0]), rp, sp,
                                             T.address_of(out[0, 0]), T.Cast("int32", n), source_code=src))
+
+    return run
+
+
+@lru_cache(maxsize=None)
+def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool, shared: bool):
+    """prim_func(y[n*P, D], w[n, K+1][, res[n, D]][, shared[n, D]], out[n, D])."""
+    D, K, P = int(hidden), int(top_k), int(pairs)
+    name = _combine_name(D, K, P, dtype, residual, shared)
+    run = _combine_launch(name, combine_source(name, D, K, P, dtype, residual, shared), D)
 
     if residual and shared:
         @T.prim_func
@@ -697,4 +921,5 @@ def moe_combine(hidden: int, top_k: int, pairs: int, dtype: str, residual: bool,
     return _opaque(f, name)
 
 
-__all__ = ["expert_gemm", "gemm_path", "moe_combine", "moe_route", "route_len"]
+__all__ = ["down_combine_counters", "expert_gemm", "gemm_path", "moe_combine", "moe_down_combine", "moe_route",
+           "route_len"]

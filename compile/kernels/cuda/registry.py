@@ -128,5 +128,10 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         moe_down=lambda hidden, inter, slots, pairs, dtype, weight_format=None: moe.expert_gemm(
             "down", inter, hidden, slots, pairs, dtype, weight_format, **p["moe"], wgmma=moe_wgmma),
         moe_combine=moe.moe_combine,
+        # down GEMM + combine (+ residual, + unfolded shared expert) in one prim_func: what compile/moe.py runs
+        moe_down_combine=lambda hidden, inter, slots, pairs, top_k, dtype, weight_format, residual, shared:
+        moe.moe_down_combine(inter, hidden, slots, pairs, top_k, dtype, weight_format, residual, shared, **p["moe"],
+                             wgmma=moe_wgmma),
+        moe_down_combine_counters=moe.down_combine_counters,  # its tickets in the route buffer (moe_route_len)
         moe_experts=None,  # the llvm set's per-token kernel
     )

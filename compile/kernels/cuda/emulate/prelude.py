@@ -392,6 +392,9 @@ MOE = r"""
 static inline uint4 ninfer_moe_ldw(const void* p) { uint4 r; memcpy(&r, p, 16); return r; }
 // fibers switch only at barriers and warp collectives: a plain read-modify-write is atomic here
 static inline int ninfer_moe_atomic_add(int* p, int v) { int o = *p; *p += v; return o; }
+// blocks run one after another: every earlier block's writes are in memory
+template <class T> static inline T ninfer_moe_ldcg(const T* p) { return *p; }
+static inline void ninfer_moe_fence() {}
 """
 
 # compile/kernels/cuda/sampling.py (T.cuda.atomic_add on shared memory, __dmul_rn; __fdiv_rn is in CORE)
