@@ -1,7 +1,7 @@
 """NVFP4 prefill projections on sm_90: the dequant + wgmma GEMM of NVFP4Linear, old vs new vs bf16 weights.
 
   prep OUT            (here, nvcc + stub libcuda) OUT/nvfp4.so + OUT/nvfp4.json, for the 27B projection shapes
-                      (qkv none, gate_up silu_mul, down residual) and a few odd ones: the tensor-expression
+                      (qkv, qkv_z none, o_proj, down residual, gate_up silu_mul) and an odd one: the tensor-expression
                       dequant as the relax pipeline schedules it (DLight, "old"), the hand-written copy-rate
                       dequant (compile/kernels/cuda/dequant_nvfp4.py, "new") and the prefill GEMM of the kernel
                       set (compile/kernels/cuda/gemm_sm90.py, the model's epilogue per projection)
@@ -9,7 +9,8 @@
                       torch decode of the codes (float8_e4m3fn scales), the GEMM over the new weights against
                       torch; then at 2048 and 8192 rows the times of gemm(bf16 weights), old dequant + gemm,
                       new dequant + gemm, the dequants alone (GB/s of codes read + weights written, next to the
-                      device copy rate), and the ratio bf16 / new (issue 15's target: >= 0.9)
+                      device copy rate), and the ratio bf16 / new (issue 15's target: >= 0.9); last, the
+                      sums over every projection call of one 27B forward (bf16 / old / new ms and ratios)
 """
 from __future__ import annotations
 
@@ -21,12 +22,15 @@ from pathlib import Path
 import gpu_common as gc
 
 ROOT = Path(__file__).resolve().parent.parent
-# name -> (K, O, epilogue of the model's prefill call, timed)
+# name -> (K, O, epilogue of the model's prefill call, calls per 27B forward (0: not timed)): attention qkv_proj
+# (16 layers), GDN in_proj_qkv_z (48), o_proj / out_proj (6144 -> 5120 in all 64), the MLP's gate_up and down
 SHAPES = {
-    "qkv": (5120, 14336, "none", True),
-    "gate_up": (5120, 34816, "silu_mul", True),
-    "down": (17408, 5120, "residual", True),
-    "odd": (48, 40, "none", False),  # K % 32 != 0, items not a multiple of a block
+    "qkv": (5120, 14336, "none", 16),
+    "qkv_z": (5120, 16384, "none", 48),
+    "o_proj": (6144, 5120, "residual", 64),
+    "gate_up": (5120, 34816, "silu_mul", 64),
+    "down": (17408, 5120, "residual", 64),
+    "odd": (48, 40, "none", 0),  # K % 32 != 0, items not a multiple of a block
 }
 ROWS = (2048, 8192)
 
@@ -48,7 +52,7 @@ def cmd_prep(a) -> int:
     funcs, meta, report = {}, {}, {}
     with cuda_build_env(tgt):
         gemm = kernel_set(arch=a.arch).gemm
-        for sname, (k, o, epi, timed) in SHAPES.items():
+        for sname, (k, o, epi, calls) in SHAPES.items():
             c = te.placeholder((o, k // 2), "uint8", name="w")
             s = te.placeholder((o, k // 16), "uint8", name="ws")
             g = te.placeholder((o,), "float32", name="ws2")
@@ -59,7 +63,7 @@ def cmd_prep(a) -> int:
             funcs[f"new_{sname}"] = dequant_nvfp4(k, o, "bfloat16").with_attr("global_symbol", f"new_{sname}")
             funcs[f"gemm_{sname}"] = gemm(k, o, "bfloat16", "bfloat16", epi).with_attr("global_symbol",
                                                                                         f"gemm_{sname}")
-            meta[sname] = {"k": k, "o": o, "epilogue": epi, "timed": timed, "old_rule": report.get(f"old_{sname}")}
+            meta[sname] = {"k": k, "o": o, "epilogue": epi, "calls": calls, "old_rule": report.get(f"old_{sname}")}
         t = time.time()
         ex = tvm.compile(tvm.IRModule(funcs), target=tgt)
         print(f"built {len(funcs)} functions in {time.time() - t:.1f}s; old dequant rules: "
@@ -116,7 +120,7 @@ def cmd_run(a) -> int:
                "old_bitexact": bool(torch.equal(bits(w_old), bits(ref_w))),
                "new_bitexact": bool(torch.equal(bits(w_new), bits(ref_w))),
                "new_vs_old_mismatches": int((bits(w_new) != bits(w_old)).sum().item())}
-        for m in (ROWS if mt["timed"] else (1, 40, 300)):
+        for m in (ROWS if mt["calls"] else (1, 40, 300)):
             x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16, generator=gen)
             r = torch.randn((m, o), device="cuda", dtype=torch.bfloat16, generator=gen) if epi == "residual" else None
             y = torch.full((m, oo), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -133,7 +137,7 @@ def cmd_run(a) -> int:
             f_gemm(*gargs)
             torch.cuda.synchronize()
             case = dict(row, m=m, gemm_rel_err=float(((y.float() - ref).abs().max() / ref.abs().max()).item()))
-            if mt["timed"]:
+            if mt["calls"]:
                 wb = td(w_new)
                 t_bf16 = gc.cuda_median_s(torch, lambda: f_gemm(*gargs))
                 t_dq_old = gc.cuda_median_s(torch, lambda: f_old(*qargs, wb))
@@ -150,6 +154,11 @@ def cmd_run(a) -> int:
             del x, r, y, y32, ref
         del codes, scales, g, ref_w, w_old, w_new
         torch.cuda.empty_cache()
+    for m in ROWS:  # every projection of one 27B forward over m rows (lm_head and the rest excluded)
+        rows = [c for c in res["cases"] if c["m"] == m and "ms_bf16" in c]
+        tot = {v: sum(c[f"ms_{v}"] * meta[c["shape"]]["calls"] for c in rows) for v in ("bf16", "old", "new")}
+        res[f"forward_{m}"] = dict(tot, ratio_old=tot["bf16"] / tot["old"], ratio_new=tot["bf16"] / tot["new"])
+    gc.write_result(a.result, res)
     print(f"copy {bw / 1e9:.0f} GB/s")
     print(f"{'shape':8s} {'rows':>5s} {'bitexact o/n':>12s} {'gemm err':>9s} {'bf16 ms':>8s} {'old ms':>8s} "
           f"{'new ms':>8s} {'dq old GB/s':>11s} {'dq new GB/s':>11s} {'old/bf16':>8s} {'new/bf16':>8s}")
@@ -159,6 +168,10 @@ def cmd_run(a) -> int:
               f"{c.get('ms_new', float('nan')):8.3f} {c.get('dequant_old_GBps', float('nan')):11.0f} "
               f"{c.get('dequant_new_GBps', float('nan')):11.0f} {c.get('ratio_old', float('nan')):8.2f} "
               f"{c.get('ratio_new', float('nan')):8.2f}")
+    for m in ROWS:
+        f = res[f"forward_{m}"]
+        print(f"27B forward projections at {m} rows: bf16 {f['bf16']:.1f} ms, old {f['old']:.1f} ms "
+              f"({f['ratio_old']:.2f}), new {f['new']:.1f} ms ({f['ratio_new']:.2f} of the bf16 rate)")
     ok = all(c["new_bitexact"] and c["gemm_rel_err"] < 1e-2 for c in res["cases"])
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
