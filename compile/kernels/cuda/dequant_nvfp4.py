@@ -3,16 +3,18 @@
 On sm_90 a prefill NVFP4Linear (compile/kernels/dequant.py) dequantizes its weight once per call into a
 dense [O, K] tensor that the wgmma GEMM (gemm_sm90.py) reads. The tensor-expression dequant got DLight's
 Fallback schedule (one thread per output element, byte loads and 2-byte stores, float selects): far below
-the copy rate, ~40 % of an NVFP4 27B prefill. This kernel reads the codes 4 bytes (8 elements) per thread
-and writes 16 bytes, both coalesced across the warp; the output is a relax tensor like the one it replaces,
-so the memory planner reuses one buffer for every projection of the prefill function.
+the copy rate, the main cost between NVFP4 and bf16 prefill (5.2k vs 9.4k tok/s, 27B on the H200). This kernel
+reads the codes 4 bytes (8 elements) per thread and writes 16 bytes, both coalesced across the warp; the
+output is a relax tensor like the one it replaces, so the memory planner reuses one buffer for every
+projection of the prefill function.
 
-Numerics are dequant.py's exactly: W[o, i] = cast(e2m1(code) * e4m3(scale[o, i/16]) * g[o]) with the product
-e2m1 * e4m3 exact in fp32 and one fp32 rounding for * g. Here e2m1 * 2 is an integer (0, 1, 2, 3, 4, 6, 8,
-12: a nibble of the constant 0xC8643210) and the E4M3 byte is the integer (e ? 8 + m : m) << max(e - 1, 0)
-times 2^-9, so e2m1 * e4m3 = int * 2^-10 with int < 2^22: one integer multiply, an exact int -> float and
-an exact power-of-two scaling, then * g rounded as dequant.py rounds it, the sign applied last (rounding is
-symmetric) and the cast to the activation dtype (round to nearest even) as TVM casts.
+Numerics are dequant.py's exactly: W[o, i] = cast(e2m1(code) * e4m3(scale[o, i/16]) * g[o]), the product
+e2m1 * e4m3 exact and one fp32 rounding for * g, then the cast (round to nearest even). The exact product comes
+from gemv.py's in-register decode (ninfer_nvfp4_dq32, for one code word): bf16x2 pairs (element j, element j+4)
+of e2m1 * e4m3 * 2^-7, exact; each half widened to fp32 (exact) times g * 2^7 (exact scaling of g) is the same
+real product as dequant.py's, rounded once in fp32 the same way; two results at a time packed with
+cvt.rn to the output dtype, in element order. About 10 PTX instructions per element (the Fallback: ~17):
+estimated under the memory time on the H200; bench/nvfp4_prefill_check.py measures GB/s against the copy rate.
 
 Launch: item i = code word i = 8 elements of row i / (K/8) (the codes, block scales and the output are
 contiguous in the same order: word i, scale byte i/2, output 16-byte chunk i); blocks of THREADS threads take
