@@ -13,7 +13,7 @@ e2m1 * e4m3 exact and one fp32 rounding for * g, then the cast (round to nearest
 from gemv.py's in-register decode (ninfer_nvfp4_dq32, for one code word): bf16x2 pairs (element j, element j+4)
 of e2m1 * e4m3 * 2^-7, exact; each half widened to fp32 (exact) times g * 2^7 (exact scaling of g) is the same
 real product as dequant.py's, rounded once in fp32 the same way; two results at a time packed with
-cvt.rn to the output dtype, in element order. About 10 PTX instructions per element (the Fallback: ~17):
+cvt.rn to the output dtype, in element order. About 10 PTX instructions per element,
 estimated under the memory time on the H200; bench/nvfp4_prefill_check.py measures GB/s against the copy rate.
 
 Launch: item i = code word i = 8 elements of row i / (K/8) (the codes, block scales and the output are
