@@ -188,9 +188,7 @@ def cmd_run(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap, sub, p, r = gc.prep_run_parser(__doc__)
-    a = ap.parse_args(argv)
-    return {"prep": cmd_prep, "run": cmd_run}[a.cmd](a)
+    return gc.prep_run_main(__doc__, cmd_prep, cmd_run, argv)
 
 
 if __name__ == "__main__":

@@ -115,3 +115,9 @@ def prep_run_parser(doc: str | None):
     r.add_argument("out")
     r.add_argument("result")
     return ap, sub, p, r
+
+
+def prep_run_main(doc: str | None, prep, run, argv=None) -> int:
+    """main() of a check script with just the common `prep OUT` / `run OUT RESULT` commands."""
+    a = prep_run_parser(doc)[0].parse_args(argv)
+    return {"prep": prep, "run": run}[a.cmd](a)

@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -27,6 +27,7 @@ servewhl() { # the HTTP server's wheels (bench/serve_wheels.sh), once
 for step in "$@"; do
   case $step in
     gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
+    nvfp4) [ -d ${NVFP4_PREP:-.gpu/dq} ] && run nvfp4 200 python3 bench/nvfp4_prefill_check.py run ${NVFP4_PREP:-.gpu/dq} $OUT/nvfp4.json ;;
     attn) [ -d .gpu/attn ] && run attn ${ATTN_TIMEOUT:-150} python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ${ATTN_ARGS:-} ;;
     gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;

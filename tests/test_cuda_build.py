@@ -104,8 +104,8 @@ def test_tiny_model_builds_for_sm90_as_fatbin(tmp_path):
 def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, quant, kv_dtype):
     """`ninfer compile --target cuda:sm_90 --quant bf16|nvfp4 --kv-dtype fp8|nvfp4` builds (fatbin, uint8 pool
     rows of the llvm layout); the CUDA quantized attention keeps the llvm kernel's contract. With NVFP4
-    weights (one build for both NVFP4 formats) the decode GEMVs over the NVFP4 buffers are thread-bound
-    kernels of the library."""
+    weights (one build for both NVFP4 formats) the decode GEMVs over the NVFP4 buffers and the prefill
+    projections' dequant are thread-bound kernels of the library."""
     import json
 
     from hf_tiny import GEOMETRY
@@ -137,6 +137,10 @@ def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, quant, kv_dtype)
         if report:  # empty when the library came from the test cache
             nv = {k: v for k, v in report.items() if k.startswith("gemv_nvfp4")}
             assert nv and set(nv.values()) == {"thread-bound"}, report
+            # prefill projections: the copy-rate dequant kernel, no tensor-expression dequant left to DLight
+            dq = {k: v for k, v in report.items() if k.startswith("dequant_nvfp4")}
+            assert dq and all(re.fullmatch(r"dequant_nvfp4_\d+x\d+_bf16", k) for k in dq), report
+            assert set(dq.values()) == {"thread-bound"}, report
 
 
 # ---- decode GEMV (compile/kernels/cuda/gemv.py) ---------------------------------------------------
@@ -216,6 +220,30 @@ def test_gemv_cuda_source_on_cpu_emulator():
     rows = run_emulation(quick=True, log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_dequant_nvfp4_cuda_source_on_cpu_emulator():
+    """The sm_90 prefill dequant (compile/kernels/cuda/dequant_nvfp4.py) on the CPU emulator gives dequant.py's
+    weights bit for bit (every code, E4M3 subnormal / large / zero scales, -0 included): the last block partly
+    empty, K % 32 != 0, f16 activations. f32 models keep the tensor expression (None)."""
+    import numpy as np
+
+    from ninfer_mlc.compile.kernels.cuda.dequant_nvfp4 import dequant_nvfp4
+    from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
+    from ninfer_mlc.compile.kernels.cuda.emulate.gemv import np_dtype, nvfp4_dequant, nvfp4_weights
+
+    cases = [(256, 48, "bfloat16"), (48, 40, "float16"), (2048, 73, "bfloat16")]  # 18 full blocks + a part
+    funcs = {dequant_nvfp4(k, o, dt).attrs["global_symbol"]: dequant_nvfp4(k, o, dt) for k, o, dt in cases}
+    lib = EmuLib(funcs)
+    for (k, o, dt), name in zip(cases, funcs, strict=True):
+        codes, scales, g = nvfp4_weights(np.random.default_rng(k), o, k)
+        out = np.full((o, k), np.nan, np.float32).astype(np_dtype(dt))
+        lib(name, {"w": codes, "ws": scales, "ws2": g, "out": out})
+        ref = nvfp4_dequant(codes, scales, g).astype(np_dtype(dt))
+        assert np.signbit(ref).any() and (ref == 0).any()
+        np.testing.assert_array_equal(out.view(np.uint16), ref.view(np.uint16), err_msg=name)
+    assert dequant_nvfp4(256, 48, "float32") is None and dequant_nvfp4(40, 48, "bfloat16") is None
 
 
 # ---- chunked GDN prefill (compile/kernels/cuda/gdn.py chunked_delta_rule) -------------------------
@@ -370,6 +398,19 @@ def test_gemv_nvfp4_kernel_set_and_contract():
     assert g(5120, 14336, "bfloat16").attrs["global_symbol"] == "gemv_5120x14336_bf16"
 
 
+def _dequant_names(f, one):
+    """f with its calls of the tensor-expression dequants (dequant_nvfp4, dequant_nvfp41, ...) all to GlobalVar
+    `one`: the numbering depends on which functions of the module used them first."""
+    from tvm import relax
+
+    @relax.expr_functor.mutator
+    class Rename(relax.PyExprMutator):
+        def visit_global_var_(self, op):
+            return one if re.fullmatch(r"dequant_nvfp4\d*", op.name_hint) else op
+
+    return Rename().visit_expr(f)
+
+
 def test_nvfp4_decode_functions_use_gemv():
     """--quant nvfp4 on CUDA: decode / mtp_step run every NVFP4 projection through gemv_nvfp4 (plain,
     residual and silu_mul fused) and dequantize nothing; prefill / prefill_h / mtp_prefill dequantize each
@@ -400,11 +441,17 @@ def test_nvfp4_decode_functions_use_gemv():
             assert any("silu_mul" not in c and "residual" not in c for c in nv), (gv.name_hint, nv)
         elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill"):
             gm = [c for c in calls if c.startswith("gemm_")]
-            assert any("dequant_nvfp4" in c for c in calls) and not [c for c in calls if c.startswith("gemv")]
+            dq = [c for c in calls if c.startswith("dequant_nvfp4")]  # the hand-written kernel, no tensor expression
+            assert dq and all(re.fullmatch(r"dequant_nvfp4_\d+x\d+_bf16", c) for c in dq), (gv.name_hint, dq)
+            assert not [c for c in calls if c.startswith("gemv")]
             assert any("silu_mul" in c for c in gm) and any("residual" in c for c in gm), (gv.name_hint, gm)
         else:
-            assert any("dequant_nvfp4" in c for c in calls), gv.name_hint
-            tvm.ir.assert_structural_equal(f, without[gv.name_hint], map_free_vars=True)
+            assert any(re.fullmatch(r"dequant_nvfp4\d*", c) for c in calls), gv.name_hint
+            # the same function; only the numbering of the tensor-expression dequants differs (prefill no
+            # longer holds the first ones)
+            one = without.get_global_var("dequant_nvfp4")
+            tvm.ir.assert_structural_equal(_dequant_names(f, one), _dequant_names(without[gv.name_hint], one),
+                                           map_free_vars=True)
     llvm = export("llvm")
     assert not [gv for gv, _ in llvm.functions_items() if "gemv" in gv.name_hint]
 

@@ -13,6 +13,11 @@ row counts, decode row counts keep this dequant path. compile/build.py turns it 
 `fp4_mma_scope(...)` around model construction (`--fp4-mma on|off`, default on for
 cuda:sm_120 + --quant nvfp4).
 
+Prefill functions on sm_90 run NVFP4Linear as one dequantize into the activation dtype, then the wgmma GEMM
+(decode_gemv's "dequantized" path); that dequantize is the hand-written copy-rate kernel of
+compile/kernels/cuda/dequant_nvfp4.py (the same numbers; the tensor expression below got DLight's Fallback
+schedule, far from the copy rate).
+
 Decode functions (decode, mtp_step) on CUDA bypass both: NVFP4Linear.decode_gemv runs the hand-written
 NVFP4 GEMV (compile/kernels/cuda/gemv.py gemv_nvfp4), which reads the codes and scales directly, with the
 bf16 Linear's fused residual / silu_mul epilogues (compile/model.py _project, MLP).
@@ -127,12 +132,24 @@ class NVFP4Linear(nn.Module):
                            weight_format="dequantized")
             if func is None:
                 return None
-            weights = [dequantize_nvfp4_weight(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)]
+            weights = [self._dequantized_for_gemm()]
             name = "gemm_dequantized"
         args = [x] + weights + ([residual] if residual is not None else [])
         o = self.out_features // 2 if epilogue == "silu_mul" else self.out_features
         name += "" if epilogue == "none" else f"_{epilogue}"
         return nn.op.tensor_ir_op(func, name, args, nn.Tensor.placeholder((x.shape[0], o), out_dtype))
+
+    def _dequantized_for_gemm(self) -> nn.Tensor:
+        """The weight in the activation dtype for the sm_90 prefill GEMM: the hand-written copy-rate dequant
+        (compile/kernels/cuda/dequant_nvfp4.py, the same numbers as dequantize_nvfp4_weight), else the tensor
+        expression."""
+        from .cuda.dequant_nvfp4 import dequant_nvfp4
+
+        func = dequant_nvfp4(self.in_features, self.out_features, self.dtype)
+        if func is None:
+            return dequantize_nvfp4_weight(self.weight, self.weight_scale, self.weight_scale_2, self.dtype)
+        return nn.op.tensor_ir_op(func, "dequant_nvfp4_cuda", [self.weight, self.weight_scale, self.weight_scale_2],
+                                  nn.Tensor.placeholder((self.out_features, self.in_features), self.dtype))
 
     def _forward_fp4_mma(self, x: nn.Tensor) -> nn.Tensor:
         """One thread-bound call: dequant + LowBatchGEMV for decode row counts, activation NVFP4

@@ -397,6 +397,18 @@ template <class T> static inline T ninfer_moe_ldcg(const T* p) { return *p; }
 static inline void ninfer_moe_fence() {}
 """
 
+# compile/kernels/cuda/dequant_nvfp4.py (PACK_SRC, gemv.py's bf16x2 multiply renamed)
+DEQUANT = r"""
+#define ninfer_dqw_bf16x2_mul ninfer_bf16x2_mul
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned ninfer_dqw_pack_bf16(float a, float b) {
+  return (unsigned)emu_bf16_rn(a) | ((unsigned)emu_bf16_rn(b) << 16);
+}
+static inline unsigned ninfer_dqw_pack_f16(float a, float b) {
+  _Float16 h[2] = {(_Float16)a, (_Float16)b}; unsigned r; memcpy(&r, h, 4); return r;
+}
+"""
+
 # compile/kernels/cuda/sampling.py (T.cuda.atomic_add on shared memory, __dmul_rn; __fdiv_rn is in CORE)
 SAMPLER = r"""
 template <class T> static T tvm_builtin_cuda_atomic_add(T* addr, T value) {
@@ -410,4 +422,4 @@ def source() -> str:
     """The whole prelude: CORE, then every kernel family's helpers (their names do not collide)."""
     from .. import gemv
 
-    return "\n".join((CORE, MMA16, ATTENTION, GDN, GEMV, gemv._NVFP4_DQ_BODY, MOE, SAMPLER))
+    return "\n".join((CORE, MMA16, ATTENTION, GDN, GEMV, gemv._NVFP4_DQ_BODY, DEQUANT, MOE, SAMPLER))
