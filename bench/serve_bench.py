@@ -17,6 +17,8 @@ dtypes, KV dtype, random-weights flag), the device rates, and per cell:
 * prefill_tok_s_server      the engine's `timings.prompt_per_second` (computed tokens / prefill time)
 * server_timings    the engine's timings object summarised (prompt_ms, predicted_per_second, queue_ms)
 * stats_delta       /stats counters after - before (cache hits, preemptions, transfers, graphs)
+* host_step         /stats host_step after the cell: the engine's host ms per decode step by phase
+                    (p50/p99/mean of the last 4096 decode steps; runtime/step_timing.py)
 * harness           (--harness) the kernel harness's figure for the same shape and its floor
 
 Prompts are exactly `context` tokens: a fixed header then single-token words drawn from the model's
@@ -240,6 +242,7 @@ def run_cell(url: str, headers: dict, prompts: PromptMaker, ctx: int, conc: int,
                            for k in ("prompt_ms", "prompt_n", "cache_n", "predicted_ms", "predicted_per_second",
                                      "queue_ms")},
         "preemptions": delta["counters"].get("preemptions", 0),
+        "host_step": after.get("host_step") or {},  # engine host ms per decode step by phase (recent window)
         "stats_delta": delta,
         "requests_detail": [request_row(r, t0) for r in done],
     }
