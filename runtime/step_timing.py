@@ -29,9 +29,10 @@ _NESTED = (_INDEX["detok"], _INDEX["emit"], _INDEX["inputs"])  # measured inside
 class StepTimer:
     """Per-phase host seconds of the current step, and a ring of the last `window` decode steps."""
 
-    def __init__(self, window: int = 4096):
+    def __init__(self, window: int = 1024):
         self._ring = np.zeros((window, len(PHASES)), np.float64)
         self._n = 0  # steps recorded (the ring holds the last min(n, window))
+        self._sums = np.zeros(len(PHASES), np.float64)  # seconds per phase over every recorded step
         self.overlapped = 0  # recorded steps whose next step was launched before this one's commit
         self._cur = [0.0] * len(PHASES)
         self._t = time.perf_counter()
@@ -60,14 +61,19 @@ class StepTimer:
     def record(self, overlapped: bool = False) -> None:
         """The step was a decode step: keep its phases."""
         self._ring[self._n % len(self._ring)] = self._cur
+        self._sums += self._cur
         self._n += 1
         self.overlapped += int(overlapped)
 
     def summary(self) -> dict:
-        """{'steps', 'overlapped_steps', '<phase>_p50_ms', '<phase>_p99_ms', '<phase>_mean_ms', 'total_*'} over the
-        recorded window (flat, so /metrics and bench deltas read it like any section)."""
+        """{'steps', 'overlapped_steps', '<phase>_sum_ms' (every step: diff two snapshots for a run's mean),
+        '<phase>_p50_ms', '<phase>_p99_ms', '<phase>_mean_ms' over the recorded window, the same for 'total'}
+        (flat, so /metrics and bench deltas read it like any section)."""
         k = min(self._n, len(self._ring))
         out: dict = {"steps": self._n, "overlapped_steps": self.overlapped, "window": k}
+        for p, v in zip(PHASES, self._sums):
+            out[f"{p}_sum_ms"] = round(float(v) * 1e3, 3)
+        out["total_sum_ms"] = round(float(self._sums.sum()) * 1e3, 3)
         if not k:
             return out
         rows = self._ring[:k] * 1e3
