@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from ..contract import sampler_abi as abi
+from .executor.host_copy import HostCopy
 from .sampling import RowState, SamplingError, TokenLogprobs
 
 __all__ = ["AllTokensMaskedError", "DeviceSampler", "PendingDraw", "supports_device_sampler"]
@@ -73,6 +74,8 @@ class DeviceSampler:
         self._rows = 0
         self._params: Any = None  # tvm.runtime.Tensor (no type information), sized by _reserve_rows
         self._mask: Any = None
+        self._views: dict[int, tuple] = {}  # rows -> views of the first rows of _params and _mask
+        self._copy = HostCopy(tvm)
         self._reserve_rows(max(8, self.max_lanes))
         self._bound: dict[int, RowState] = {}
         self._mask_src: Any = None  # the host bitmask whose rows the device mask buffer holds (skip re-uploads)
@@ -146,6 +149,7 @@ class DeviceSampler:
         rows = max(n, 2 * self._rows)
         self._params = self.tvm.runtime.empty((rows, abi.NUM_PARAMS), "float64", self.dev)
         self._mask = self.tvm.runtime.empty((rows, self.words), "int32", self.dev)
+        self._views = {}
         self._rows = rows
         return True
 
@@ -230,14 +234,21 @@ class DeviceSampler:
         mask = None if bitmask is None or resident else self._check_mask(bitmask, n)
         table = self._row_params(rows, lanes, bitmask is not None, return_logprobs, update_state)
         grown = self._reserve_rows(n)
-        params = self._params._create_view((n, abi.NUM_PARAMS), "float64", 0)
-        params.copyfrom(table)
-        mask_dev = self._mask._create_view((n, self.words), "int32", 0)
+        params, mask_dev = self._row_views(n)
+        self._copy(params, table, 8)
         if mask is not None or (resident and grown):
-            mask_dev.copyfrom(mask if mask is not None else bitmask)
+            self._copy(mask_dev, np.ascontiguousarray(mask if mask is not None else bitmask).view(np.int32), 4)
             self._mask_src = bitmask  # the same array object next time: its rows are already on the device
         out = self._sample_fn(logits, params, mask_dev, self.counts, self.prompt, self.bias)
         return PendingDraw(out, list(rows), table, return_logprobs, update_state)
+
+    def _row_views(self, n: int) -> tuple:
+        """Views of the first n rows of the params and mask buffers (made once per n)."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self._params._create_view((n, abi.NUM_PARAMS), "float64", 0),
+                                      self._mask._create_view((n, self.words), "int32", 0))
+        return views
 
     def collect(self, pending: "PendingDraw"):
         """The tokens (and logprobs) of a launched draw, as `sample` returns them."""
