@@ -87,8 +87,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4", help="streams per cell, comma-separated")
     ap.add_argument("--modes", default="off,on", help="--async-scheduling values to compare")
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval for the run (how long a thread waiting for the GIL waits at most)")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args()
+    if a.switch_interval_ms is not None:
+        sys.setswitchinterval(a.switch_interval_ms / 1e3)
     import argparse as _ap
 
     from ninfer_mlc.paths import default_model_dir
@@ -98,7 +102,8 @@ def main() -> int:
     from ninfer_mlc.server.options import add_serve_args
 
     concs = [int(x) for x in a.concurrency.split(",")]
-    doc: dict = {"step_ms": a.step_ms, "max_tokens": a.max_tokens, "cells": []}
+    doc: dict = {"step_ms": a.step_ms, "max_tokens": a.max_tokens, "switch_interval_ms": sys.getswitchinterval() * 1e3,
+                 "cells": []}
     for mode in a.modes.split(","):
         eng = open_engine(default_model_dir(), EngineConfig(max_concurrency=max(concs), prefix_reuse=False,
                                                             device_sampling="on", async_scheduling=mode))

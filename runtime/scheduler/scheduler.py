@@ -290,8 +290,13 @@ class Scheduler:
     def plan_next(self, prev: StepPlan, results: dict[int, RowResult]) -> Optional[StepPlan]:
         """The decode step after `prev` (all of whose rows were launched with `advance_launched`), feeding
         each row the token prev sampled, planned before prev is committed; None when the next step needs
-        the scheduler (requests waiting or prefilling, a row that leaves, no page for a row)."""
-        if self.waiting or not set(self.running) <= {d.req.rid for d in prev.decode}:
+        the scheduler (a request it could admit, one prefilling, no page for a row). Requests waiting
+        for a lane while every lane is busy do not stop it (their queue timeout still applies)."""
+        if self.waiting:
+            self._expire()
+            if self.waiting and len(self.running) < self.max_concurrency:
+                return None
+        if not set(self.running) <= {d.req.rid for d in prev.decode}:
             return None
         rows = []
         for d in prev.decode:
