@@ -66,6 +66,9 @@ def run_mode(eng, mode: str, concs: list[int], ctx: int, max_tokens: int, ref: d
         after, c1 = eng.stats().host_step, eng.stats().counters
         steps = max(1, after["steps"] - before["steps"])
         host = {p: round((after[f"{p}_sum_ms"] - before[f"{p}_sum_ms"]) / steps, 4) for p in PHASES}
+        # the off passes: rows without a stop id must repeat exactly (else a mismatch below is the kernels' noise)
+        repeat = [r["ids"] == ref[(conc, i)]["ids"] for i, r in enumerate(rows)
+                  if mode == "off" and i % 2 == 0 and "ids" in ref.get((conc, i), {})]
         for i, r in enumerate(rows):
             if mode == "off" and len(r["ids"]) > 8:
                 ref.setdefault((conc, i), {})["ids"] = r["ids"]
@@ -73,6 +76,7 @@ def run_mode(eng, mode: str, concs: list[int], ctx: int, max_tokens: int, ref: d
         same = None if mode == "off" else all(r["ids"] == ref.get((conc, i), {}).get("ids") for i, r in enumerate(rows))
         rates = [r["rate"] for r in rows if r["rate"]]
         out.append({"mode": mode, "concurrency": conc, "context": ctx, "tokens_identical_to_off": same,
+                    "off_repeats_itself": all(repeat) if repeat else None,
                     "audit": eng.audit(), "per_stream_tok_s_p50": round(float(np.median(rates)), 2) if rates else None,
                     "overlapped_rounds": c1.overlapped_decode_rounds - c0.overlapped_decode_rounds,
                     "discarded_rows": c1.discarded_decode_rows - c0.discarded_decode_rows,
