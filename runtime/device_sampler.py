@@ -219,15 +219,19 @@ class DeviceSampler:
 
     def launch(self, logits, rows: Sequence[RowState], lanes: Sequence[int], bitmask=None,
                return_logprobs: bool = False, update_state: bool = True) -> "PendingDraw":
-        """`sample` up to the sampler call, which is queued on the device; `collect` reads its result. The
-        row generators' uniforms are drawn here, so draws keep their order however launches and collects
-        interleave. The next launch's inputs overwrite this one's: collect it first."""
-        shape = tuple(int(s) for s in logits.shape)
+        """`sample` up to the sampler call, which is queued on the device; `collect` reads its result
+        (`prepare` then `start`). The next draw's inputs overwrite this one's: collect it first."""
+        return self.start(logits, self.prepare(rows, lanes, bitmask, return_logprobs, update_state))
+
+    def prepare(self, rows: Sequence[RowState], lanes: Sequence[int], bitmask=None, return_logprobs: bool = False,
+                update_state: bool = True) -> "PendingDraw":
+        """Everything before the sampler call: the row parameters (the generators' uniforms are drawn here, so
+        draws keep their order however prepares and collects interleave) and the mask, uploaded. An upload
+        waits for the device stream, so an overlapped step prepares its draw before it queues its forward
+        (after it, the upload would wait for that forward to finish). `start` the draw before preparing another."""
         n = len(rows)
-        if len(shape) != 2 or shape[1] != self.vocab_size or str(logits.dtype) != "float32":
-            raise ValueError(f"logits must be float32 [n, {self.vocab_size}], got {logits.dtype} {list(shape)}")
-        if shape[0] != n or len(lanes) != n:
-            raise ValueError(f"got {n} row states and {len(lanes)} lanes for {shape[0]} logits rows")
+        if len(lanes) != n:
+            raise ValueError(f"got {n} row states and {len(lanes)} lanes")
         if n == 0:
             return PendingDraw(None, list(rows), None, return_logprobs, update_state)
         resident = bitmask is not None and bitmask is self._mask_src and len(bitmask) == n
@@ -239,8 +243,23 @@ class DeviceSampler:
         if mask is not None or (resident and grown):
             self._copy(mask_dev, np.ascontiguousarray(mask if mask is not None else bitmask).view(np.int32), 4)
             self._mask_src = bitmask  # the same array object next time: its rows are already on the device
-        out = self._sample_fn(logits, params, mask_dev, self.counts, self.prompt, self.bias)
-        return PendingDraw(out, list(rows), table, return_logprobs, update_state)
+        return PendingDraw(None, list(rows), table, return_logprobs, update_state, (params, mask_dev))
+
+    def start(self, logits, draw: "PendingDraw") -> "PendingDraw":
+        """Queue the sampler call of a prepared draw over `logits` (the device tensor [n, V] f32 a model call
+        returned); returns the draw."""
+        shape = tuple(int(s) for s in logits.shape)
+        n = len(draw.rows)
+        if len(shape) != 2 or shape[1] != self.vocab_size or str(logits.dtype) != "float32":
+            raise ValueError(f"logits must be float32 [n, {self.vocab_size}], got {logits.dtype} {list(shape)}")
+        if shape[0] != n:
+            raise ValueError(f"got {n} row states for {shape[0]} logits rows")
+        if draw.out is not None:
+            raise ValueError("this draw was started already")
+        if draw.inputs is not None:
+            params, mask_dev = draw.inputs
+            draw.out = self._sample_fn(logits, params, mask_dev, self.counts, self.prompt, self.bias)
+        return draw
 
     def _row_views(self, n: int) -> tuple:
         """Views of the first n rows of the params and mask buffers (made once per n)."""
@@ -253,9 +272,11 @@ class DeviceSampler:
     def collect(self, pending: "PendingDraw"):
         """The tokens (and logprobs) of a launched draw, as `sample` returns them."""
         rows, out, table, n = pending.rows, pending.out, pending.table, len(pending.rows)
-        if out is None or table is None:
+        if table is None:
             tokens = np.zeros(0, np.int32)
             return (tokens, []) if pending.return_logprobs else tokens
+        if out is None:
+            raise ValueError("this draw was prepared but never started")
         tokens = out[0].numpy()
         if (tokens < 0).any():  # the host check above makes this unreachable; never hand out garbage
             raise AllTokensMaskedError(int(np.flatnonzero(tokens < 0)[0]))
@@ -277,10 +298,11 @@ class DeviceSampler:
 
 @dataclass
 class PendingDraw:
-    """A sampler call queued on the device (DeviceSampler.launch), not yet read."""
+    """A draw prepared (DeviceSampler.prepare), then queued on the device (start), not yet read (collect)."""
 
-    out: Any  # the sampler's output tuple (device tensors), None for an empty batch
+    out: Any  # the sampler's output tuple (device tensors) once started; None before, and for an empty batch
     rows: list
-    table: Optional[np.ndarray]
+    table: Optional[np.ndarray]  # the row parameters; None for an empty batch
     return_logprobs: bool
     update_state: bool
+    inputs: Optional[tuple] = None  # the uploaded (params, mask) views the sampler call reads

@@ -339,9 +339,14 @@ class Engine:
         """Queue a decode step and its draw on the device without reading anything back; its feed is
         accounted now (Scheduler.advance_launched)."""
         rows = [w.req for w in plan.decode]
+        ds = self.device_sampler
+        # every upload waits for the device stream: the draw's inputs go up before the forward is queued (after
+        # it they would wait for the forward, and the host would commit nothing while it runs)
+        draw = self._prepare_draw(rows) if ds is not None else None
         logits = self.runner.decode([r.live_seq for r in rows], [w.feed[-1] for w in plan.decode], True, wait=False)
         self.timer.add("inputs", self.runner.last_inputs_s)
-        draw = self._launch_draw(rows, logits) if self.device_sampler is not None else None
+        if ds is not None and draw is not None:
+            ds.start(logits, draw)
         self.scheduler.advance_launched(plan)
         self.timer.lap("launch")
         return _InFlight(plan, rows, draw, None if draw is not None else logits)
@@ -380,7 +385,9 @@ class Engine:
     def _sample_on_device(self, reqs: list[Request], logits) -> dict[int, RowResult]:
         """The library's sampler over the decode logits where they are; grammar masks and the tokenizer's
         vocabulary limit travel as one bitmask."""
-        results = self._draw_results(reqs, self._launch_draw(reqs, logits))
+        ds = self.device_sampler
+        assert ds is not None  # called only when the library samples on the device
+        results = self._draw_results(reqs, ds.start(logits, self._prepare_draw(reqs)))
         self._sampled = {rid: res.tokens[0] for rid, res in results.items()}
         return results
 
@@ -391,7 +398,8 @@ class Engine:
         toks, lps = res if draw.return_logprobs else (res, [None] * len(reqs))
         return {r.rid: RowResult([int(t)], [lp], fed=1) for r, t, lp in zip(reqs, toks, lps)}
 
-    def _launch_draw(self, reqs: list[Request], logits) -> PendingDraw:
+    def _prepare_draw(self, reqs: list[Request]) -> PendingDraw:
+        """Lanes bound, row parameters and masks uploaded (DeviceSampler.prepare); `start` queues the draw."""
         ds = self.device_sampler
         assert ds is not None  # called only when the library samples on the device
         live = self.scheduler.running
@@ -413,8 +421,7 @@ class Engine:
         elif limit < self.runner.vocab_size:
             bitmask = self._vocab_mask(len(reqs))  # one array per batch size: the sampler keeps it on the device
         want_lp = any(r.params.logprobs or r.params.top_logprobs > 0 for r in reqs)
-        return ds.launch(logits, [r.row for r in reqs], [self._lanes[r.rid] for r in reqs], bitmask,
-                         return_logprobs=want_lp)
+        return ds.prepare([r.row for r in reqs], [self._lanes[r.rid] for r in reqs], bitmask, return_logprobs=want_lp)
 
     def _vocab_mask(self, n: int) -> np.ndarray:
         """[n, words] bitmask allowing the tokenizer's ids only (ids past it are never drawn); never modified."""

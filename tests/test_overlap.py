@@ -165,3 +165,30 @@ def test_flag_and_defaults():
         assert not eng.overlap  # auto: on CUDA only
     finally:
         eng.stop()
+
+
+def test_no_upload_between_an_overlapped_forward_and_its_read():
+    """Every host-to-device upload waits for the device stream: one issued after an overlapped step's forward
+    is queued would wait for that forward, and the commit it was meant to hide would run after it. So the
+    draw's parameters go up before the forward, and nothing is uploaded until the step's ids are read."""
+    eng = engine(max_concurrency=2, prefix_reuse=False, device_sampling="on", async_scheduling="on")
+    ds, runner, events = eng.device_sampler, eng.runner, []
+    decode, collect, copy = runner.decode, ds.collect, ds._copy
+
+    def logged(name, fn):
+        def call(*a, **k):
+            events.append((name, k.get("wait", True)))
+            return fn(*a, **k)
+        return call
+
+    runner.decode, ds.collect, ds._copy = logged("decode", decode), logged("collect", collect), logged("upload", copy)
+    try:
+        _run(eng, [GenRequest(p, SamplingParams(max_tokens=12, seed=1, **QWEN)) for p in prompts(2, seed=5)])
+    finally:
+        eng.stop()
+    names = [n for n, _ in events]
+    launched = [i for i, (n, wait) in enumerate(events) if n == "decode" and not wait]
+    assert len(launched) > 5
+    for i in launched:
+        j = names.index("collect", i)
+        assert names[i - 1] == "upload" and "upload" not in names[i:j], names[i - 1: j + 1]
