@@ -52,10 +52,10 @@ class SimulatedDevice:
             out = self._logits[len(seqs)]
             return out if on_device else runner.host_logits(out)
 
-        launch, collect = ds.launch, ds.collect
+        start, collect = ds.start, ds.collect
 
-        def launch_timed(*a, **k):
-            draw = launch(*a, **k)
+        def start_timed(logits, draw):
+            start(logits, draw)
             self._ready[id(draw)] = self.ready_at
             return draw
 
@@ -65,7 +65,7 @@ class SimulatedDevice:
                 time.sleep(left)
             return collect(draw)
 
-        runner.decode, ds.launch, ds.collect = decode, launch_timed, collect_waiting
+        runner.decode, ds.start, ds.collect = decode, start_timed, collect_waiting
 
 
 def run_cell(url: str, model: str, conc: int, max_tokens: int, seed: int) -> list:
