@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script overlap
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -40,6 +40,8 @@ for step in "$@"; do
     dflash) [ -d .gpu/dflash ] && run dflash 300 python3 bench/dflash_gpu_check.py run .gpu/dflash $OUT/dflash.json ;;
     serve) servewhl; run serve ${SERVE_TIMEOUT:-570} python3 ${BENCH:-bench}/serve_bench.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
+    overlap) run overlap ${OVERLAP_TIMEOUT:-540} python3 ${BENCH:-bench}/overlap_gpu_check.py ${SERVE_ART:-.gpu/serve} \
+             -o $OUT/overlap.json ${OVERLAP_ARGS:-} ;;
     harness) run harness ${HARNESS_TIMEOUT:-300} python3 bench/serve_harness.py ${HARNESS_ART:-${SERVE_ART:-.gpu/serve}} \
              -o $OUT/harness.json ${HARNESS_ARGS:-} ;;
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \

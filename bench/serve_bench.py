@@ -17,6 +17,8 @@ dtypes, KV dtype, random-weights flag), the device rates, and per cell:
 * prefill_tok_s_server      the engine's `timings.prompt_per_second` (computed tokens / prefill time)
 * server_timings    the engine's timings object summarised (prompt_ms, predicted_per_second, queue_ms)
 * stats_delta       /stats counters after - before (cache hits, preemptions, transfers, graphs)
+* host_step         the engine's host ms per decode step by phase (runtime/step_timing.py): mean over the
+                    cell's decode steps (from /stats sums), and p50/p99 of the last 1024 decode steps
 * harness           (--harness) the kernel harness's figure for the same shape and its floor
 
 Prompts are exactly `context` tokens: a fixed header then single-token words drawn from the model's
@@ -240,10 +242,23 @@ def run_cell(url: str, headers: dict, prompts: PromptMaker, ctx: int, conc: int,
                            for k in ("prompt_ms", "prompt_n", "cache_n", "predicted_ms", "predicted_per_second",
                                      "queue_ms")},
         "preemptions": delta["counters"].get("preemptions", 0),
+        "host_step": host_step_cell(delta.get("host_step") or {}, after.get("host_step") or {}),
         "stats_delta": delta,
         "requests_detail": [request_row(r, t0) for r in done],
     }
     return cell
+
+
+def host_step_cell(delta: dict, after: dict) -> dict:
+    """Mean host ms per decode step by phase over the cell (the /stats sums' delta over its steps), and the
+    percentiles of the server's recent window at the cell's end."""
+    steps = delta.get("steps", 0)
+    out: dict = {"steps": steps, "overlapped_steps": delta.get("overlapped_steps", 0)}
+    for k, v in delta.items():
+        if k.endswith("_sum_ms") and steps:
+            out[k[: -len("_sum_ms")] + "_mean_ms"] = round(v / steps, 4)
+    out.update({k: v for k, v in after.items() if k.endswith(("_p50_ms", "_p99_ms"))})
+    return out
 
 
 # ---- planning ---------------------------------------------------------------------------------------

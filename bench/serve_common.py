@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 # /stats sections whose numbers are counters: a benchmark reports their change over a cell / turn
-DELTA_SECTIONS = ("counters", "cache_reuse", "kv_transfers", "state_transfers", "spec")
+DELTA_SECTIONS = ("counters", "cache_reuse", "kv_transfers", "state_transfers", "spec", "host_step")
 PRESSURE_COUNTERS = ("spill_pages", "partial_tail_cow_pages", "private_owners_demoted", "private_owners_evicted",
                      "host_owners_evicted", "owners_evicted_total", "checkpoints_taken", "checkpoints_dropped",
                      "restores_device", "restores_host", "restore_failures", "planner_runs", "demote_failures")

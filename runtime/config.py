@@ -34,6 +34,10 @@ class EngineConfig:
     device_sampling: str = _f("auto", "sample decode rows inside the library (only token ids cross to the host): "
                                       "auto = on CUDA when the library carries the sampler, on / off",
                               choices=("auto", "on", "off"))
+    async_scheduling: str = _f("auto", "launch each decode step before committing the previous step's tokens, so "
+                                       "detokenizing, stop strings and streaming run while the device computes "
+                                       "(plain decode rows; prefill, speculation and grammar steps run in order): "
+                                       "auto = on CUDA, on / off", choices=("auto", "on", "off"))
     vision: str = _f("auto", "where the vision tower of an image-capable model runs: auto (the model's device), "
                              "cpu (host cores, weights in host RAM, device memory left to KV) or off (images refused)",
                      choices=("auto", "cpu", "off"))
@@ -92,6 +96,8 @@ class EngineConfig:
         need(self.vision in ("auto", "cpu", "off"), "vision", f"must be auto, cpu or off, got {self.vision!r}")
         need(self.device_sampling in ("auto", "on", "off"), "device_sampling",
              f"must be auto, on or off, got {self.device_sampling!r}")
+        need(self.async_scheduling in ("auto", "on", "off"), "async_scheduling",
+             f"must be auto, on or off, got {self.async_scheduling!r}")
         if self.kv_capacity is not None and str(self.kv_capacity) != "auto":
             try:
                 cap = int(str(self.kv_capacity))

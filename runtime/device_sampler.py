@@ -11,14 +11,16 @@ device (and to the RowState). Tokens added or removed outside `sample` (speculat
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..contract import sampler_abi as abi
+from .executor.host_copy import HostCopy
 from .sampling import RowState, SamplingError, TokenLogprobs
 
-__all__ = ["AllTokensMaskedError", "DeviceSampler", "supports_device_sampler"]
+__all__ = ["AllTokensMaskedError", "DeviceSampler", "PendingDraw", "supports_device_sampler"]
 
 
 class AllTokensMaskedError(SamplingError):
@@ -72,8 +74,11 @@ class DeviceSampler:
         self._rows = 0
         self._params: Any = None  # tvm.runtime.Tensor (no type information), sized by _reserve_rows
         self._mask: Any = None
+        self._views: dict[int, tuple] = {}  # rows -> views of the first rows of _params and _mask
+        self._copy = HostCopy(tvm)
         self._reserve_rows(max(8, self.max_lanes))
         self._bound: dict[int, RowState] = {}
+        self._mask_src: Any = None  # the host bitmask whose rows the device mask buffer holds (skip re-uploads)
 
     # ---- lanes -----------------------------------------------------------------------------------
     def _lane_view(self, buf, lane: int, width: int, dtype: str, itemsize: int):
@@ -137,13 +142,16 @@ class DeviceSampler:
         self._counts_add_fn(T(np.full(toks.size, lane)), T(toks), T(np.full(toks.size, delta)), self.counts)
 
     # ---- sampling --------------------------------------------------------------------------------
-    def _reserve_rows(self, n: int) -> None:
+    def _reserve_rows(self, n: int) -> bool:
+        """Room for n rows; True when the buffers were replaced (their contents are gone)."""
         if n <= self._rows:
-            return
+            return False
         rows = max(n, 2 * self._rows)
         self._params = self.tvm.runtime.empty((rows, abi.NUM_PARAMS), "float64", self.dev)
         self._mask = self.tvm.runtime.empty((rows, self.words), "int32", self.dev)
+        self._views = {}
         self._rows = rows
+        return True
 
     def _row_params(self, rows: Sequence[RowState], lanes: Sequence[int], masked: bool, return_logprobs: bool,
                     update_state: bool) -> np.ndarray:
@@ -203,34 +211,79 @@ class DeviceSampler:
 
         rows: each row's RowState (params + generator); lanes: the lane each row's RowState is bound to;
         bitmask: optional int32 [n, ceil(V / 32)] host array in xgrammar's layout (bit j of word i allows token
-        32 i + j). Returns int32 [n]; with return_logprobs, (tokens, [TokenLogprobs | None]) as Sampler.sample.
+        32 i + j); the same array object passed again is not uploaded again (do not modify one after passing
+        it: pass a new array). Returns int32 [n]; with return_logprobs, (tokens, [TokenLogprobs | None]) as Sampler.sample.
         update_state: append each token to its RowState and (when penalties need it) to the lane's device counts.
         """
-        shape = tuple(int(s) for s in logits.shape)
+        return self.collect(self.launch(logits, rows, lanes, bitmask, return_logprobs, update_state))
+
+    def launch(self, logits, rows: Sequence[RowState], lanes: Sequence[int], bitmask=None,
+               return_logprobs: bool = False, update_state: bool = True) -> "PendingDraw":
+        """`sample` up to the sampler call, which is queued on the device; `collect` reads its result
+        (`prepare` then `start`). The next draw's inputs overwrite this one's: collect it first."""
+        return self.start(logits, self.prepare(rows, lanes, bitmask, return_logprobs, update_state))
+
+    def prepare(self, rows: Sequence[RowState], lanes: Sequence[int], bitmask=None, return_logprobs: bool = False,
+                update_state: bool = True) -> "PendingDraw":
+        """Everything before the sampler call: the row parameters (the generators' uniforms are drawn here, so
+        draws keep their order however prepares and collects interleave) and the mask, uploaded. An upload
+        waits for the device stream, so an overlapped step prepares its draw before it queues its forward
+        (after it, the upload would wait for that forward to finish). `start` the draw before preparing another."""
         n = len(rows)
+        if len(lanes) != n:
+            raise ValueError(f"got {n} row states and {len(lanes)} lanes")
+        if n == 0:
+            return PendingDraw(None, list(rows), None, return_logprobs, update_state)
+        resident = bitmask is not None and bitmask is self._mask_src and len(bitmask) == n
+        mask = None if bitmask is None or resident else self._check_mask(bitmask, n)
+        table = self._row_params(rows, lanes, bitmask is not None, return_logprobs, update_state)
+        grown = self._reserve_rows(n)
+        params, mask_dev = self._row_views(n)
+        self._copy(params, table, 8)
+        if mask is not None or (resident and grown):
+            self._copy(mask_dev, np.ascontiguousarray(mask if mask is not None else bitmask).view(np.int32), 4)
+            self._mask_src = bitmask  # the same array object next time: its rows are already on the device
+        return PendingDraw(None, list(rows), table, return_logprobs, update_state, (params, mask_dev))
+
+    def start(self, logits, draw: "PendingDraw") -> "PendingDraw":
+        """Queue the sampler call of a prepared draw over `logits` (the device tensor [n, V] f32 a model call
+        returned); returns the draw."""
+        shape = tuple(int(s) for s in logits.shape)
+        n = len(draw.rows)
         if len(shape) != 2 or shape[1] != self.vocab_size or str(logits.dtype) != "float32":
             raise ValueError(f"logits must be float32 [n, {self.vocab_size}], got {logits.dtype} {list(shape)}")
-        if shape[0] != n or len(lanes) != n:
-            raise ValueError(f"got {n} row states and {len(lanes)} lanes for {shape[0]} logits rows")
-        if n == 0:
-            out = np.zeros(0, np.int32)
-            return (out, []) if return_logprobs else out
-        mask = None if bitmask is None else self._check_mask(bitmask, n)
-        table = self._row_params(rows, lanes, mask is not None, return_logprobs, update_state)
-        self._reserve_rows(n)
-        params = self._params._create_view((n, abi.NUM_PARAMS), "float64", 0)
-        params.copyfrom(table)
-        mask_dev = self._mask._create_view((n, self.words), "int32", 0)
-        if mask is not None:
-            mask_dev.copyfrom(mask)
-        out = self._sample_fn(logits, params, mask_dev, self.counts, self.prompt, self.bias)
+        if shape[0] != n:
+            raise ValueError(f"got {n} row states for {shape[0]} logits rows")
+        if draw.out is not None:
+            raise ValueError("this draw was started already")
+        if draw.inputs is not None:
+            params, mask_dev = draw.inputs
+            draw.out = self._sample_fn(logits, params, mask_dev, self.counts, self.prompt, self.bias)
+        return draw
+
+    def _row_views(self, n: int) -> tuple:
+        """Views of the first n rows of the params and mask buffers (made once per n)."""
+        views = self._views.get(n)
+        if views is None:
+            views = self._views[n] = (self._params._create_view((n, abi.NUM_PARAMS), "float64", 0),
+                                      self._mask._create_view((n, self.words), "int32", 0))
+        return views
+
+    def collect(self, pending: "PendingDraw"):
+        """The tokens (and logprobs) of a launched draw, as `sample` returns them."""
+        rows, out, table, n = pending.rows, pending.out, pending.table, len(pending.rows)
+        if table is None:
+            tokens = np.zeros(0, np.int32)
+            return (tokens, []) if pending.return_logprobs else tokens
+        if out is None:
+            raise ValueError("this draw was prepared but never started")
         tokens = out[0].numpy()
         if (tokens < 0).any():  # the host check above makes this unreachable; never hand out garbage
             raise AllTokensMaskedError(int(np.flatnonzero(tokens < 0)[0]))
-        if update_state:
+        if pending.update_state:
             for r, t in zip(rows, tokens):
                 r.append(int(t))
-        if not return_logprobs:
+        if not pending.return_logprobs:
             return tokens
         lps: list[Optional[TokenLogprobs]] = [None] * n
         want = [i for i in range(n) if int(table[i, abi.P_FLAGS]) & abi.F_LOGPROBS]
@@ -241,3 +294,15 @@ class DeviceSampler:
                 lps[i] = TokenLogprobs(int(tokens[i]), float(tok_lp[i]), int(rank[i]),
                                        top_ids[i, :k].astype(np.int32), top_lp[i, :k].astype(np.float32))
         return tokens, lps
+
+
+@dataclass
+class PendingDraw:
+    """A draw prepared (DeviceSampler.prepare), then queued on the device (start), not yet read (collect)."""
+
+    out: Any  # the sampler's output tuple (device tensors) once started; None before, and for an empty batch
+    rows: list
+    table: Optional[np.ndarray]  # the row parameters; None for an empty batch
+    return_logprobs: bool
+    update_state: bool
+    inputs: Optional[tuple] = None  # the uploaded (params, mask) views the sampler call reads

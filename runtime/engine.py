@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -23,7 +23,7 @@ import numpy as np
 from ..contract.generation import GenerationDefaults
 from .config import EngineConfig
 from .errors import BadConstraint, ContextTooLong, EngineStopped, ImagesUnsupported, InvalidRequest, QueueFull
-from .device_sampler import DeviceSampler, supports_device_sampler
+from .device_sampler import DeviceSampler, PendingDraw, supports_device_sampler
 from .executor.model_runner import ModelRunner
 from .grammar import ConstraintCompiler, ConstraintError, bitmask_words, fill_bitmasks, mask_logits
 from .kv.manager import KVManager
@@ -31,10 +31,21 @@ from .sampling import Sampler
 from .scheduler.request import Delta, Finished, GenRequest, Request
 from .scheduler.scheduler import RowResult, Scheduler, StepPlan, ThinkControl
 from .stats import Counters, EngineStats, ModelInfo, SpecCounters
+from .step_timing import StepTimer
 
 log = logging.getLogger("ninfer.engine")
 
 __all__ = ["Engine", "RequestHandle", "GenRequest", "Delta", "Finished"]
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched, its feed accounted, its tokens neither read nor committed."""
+
+    plan: StepPlan
+    rows: list[Request]
+    draw: Optional[PendingDraw]  # the device sampler's queued draw
+    logits: Any  # the step's device logits when the host sampler draws
 
 
 class RequestHandle:
@@ -134,10 +145,17 @@ class Engine:
         self.device_sampler = self._device_sampler(cfg, runner)
         self._lanes: dict[int, int] = {}  # request id -> device sampler lane (penalty state)
         self._sampled: dict[int, int] = {}  # request id -> the token the device sampler drew this step
+        self._limit_masks: dict[int, np.ndarray] = {}  # rows -> bitmask of the tokenizer's vocabulary (reused)
+        # overlapped decode: step N+1 is launched before step N's tokens are committed
+        self.overlap = self.spec is None and (cfg.async_scheduling == "on" or (
+            cfg.async_scheduling == "auto" and runner.device_kind == "cuda"))
+        self._inflight: Optional[_InFlight] = None
+        self.timer = StepTimer()
         self.scheduler = Scheduler(kv, self.counters, max_concurrency=cfg.max_concurrency,
                                    prefill_chunk=cfg.prefill_chunk, max_context=self.max_context,
                                    pending_timeout_ms=cfg.pending_timeout_ms, turn_start=turn_start, think=think,
                                    spec=self.spec)
+        self.scheduler.timer = self.timer
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -253,24 +271,27 @@ class Engine:
         while True:
             with self._wake:
                 while (self._running and not self._inbox and self.scheduler.idle() and not self._cancelled
-                       and not self._stats_wanted):
+                       and not self._stats_wanted and self._inflight is None):
                     self._wake.wait(timeout=0.5)
                 if not self._running:
                     return
                 cancelled, self._cancelled = self._cancelled, set()
                 inbox, self._inbox = list(self._inbox), deque()
                 wanted = self._stats_wanted
+            self.timer.start()
             for r in inbox:
                 self.scheduler.add(r)
-            for rid in cancelled:
+            for rid in cancelled:  # an in-flight row of a cancelled request is dropped at its commit
                 self.scheduler.cancel(rid)
             if wanted:
                 self._publish_stats()
+            self.timer.lap("loop")
             try:
                 self._step()
             except Exception as e:  # a bug must not wedge every client: fail the batch, keep serving
                 log.exception("engine step failed")
                 self.counters.step_failures += 1
+                self._inflight = None
                 self.scheduler.fail_running(f"{type(e).__name__}: {e}")
 
     def _publish_stats(self) -> None:
@@ -280,11 +301,61 @@ class Engine:
             self._stats_ready.notify_all()
 
     def _step(self) -> None:
-        plan = self.scheduler.schedule()
-        if plan:
-            self.scheduler.update(plan, self._execute(plan))
-            if self._sampled:
-                self._sync_lanes()
+        fl, self._inflight = self._inflight, None
+        if fl is None:
+            plan = self.scheduler.schedule()
+            self.timer.lap("schedule")
+            if not plan:
+                return
+            if not self._overlaps(plan):
+                self.scheduler.update(plan, self._execute(plan))
+                if self._sampled:
+                    self._sync_lanes()
+                self.timer.lap("commit")
+                if plan.decode and not plan.prefill:
+                    self.timer.record()
+                return
+            fl = self._launch(plan)
+        # overlapped decode: read step N, launch step N+1 with N's tokens, then commit N while N+1 runs
+        results = self._read(fl)
+        self.timer.lap("read")
+        nxt = self.scheduler.plan_next(fl.plan, results)
+        self.timer.lap("schedule")
+        if nxt is not None:
+            self._inflight = self._launch(nxt)
+            self.counters.overlapped_decode_rounds += 1
+        self.counters.discarded_decode_rows += sum(1 for w in fl.plan.decode if w.req.rid not in self.scheduler.running)
+        self.scheduler.update(fl.plan, results, advanced=True)
+        self.timer.lap("commit")
+        self.timer.record(overlapped=nxt is not None)
+
+    def _overlaps(self, plan: StepPlan) -> bool:
+        """Plain decode rows whose tokens can be fed before they are committed (no prefill, speculation,
+        grammar, or thinking budget about to force a token): the step runs overlapped."""
+        return (self.overlap and bool(plan.decode) and not plan.prefill
+                and all(self.scheduler.overlappable(w.req) for w in plan.decode))
+
+    def _launch(self, plan: StepPlan) -> _InFlight:
+        """Queue a decode step and its draw on the device without reading anything back; its feed is
+        accounted now (Scheduler.advance_launched)."""
+        rows = [w.req for w in plan.decode]
+        ds = self.device_sampler
+        # every upload waits for the device stream: the draw's inputs go up before the forward is queued (after
+        # it they would wait for the forward, and the host would commit nothing while it runs)
+        draw = self._prepare_draw(rows) if ds is not None else None
+        logits = self.runner.decode([r.live_seq for r in rows], [w.feed[-1] for w in plan.decode], True, wait=False)
+        self.timer.add("inputs", self.runner.last_inputs_s)
+        if ds is not None and draw is not None:
+            ds.start(logits, draw)
+        self.scheduler.advance_launched(plan)
+        self.timer.lap("launch")
+        return _InFlight(plan, rows, draw, None if draw is not None else logits)
+
+    def _read(self, fl: _InFlight) -> dict[int, RowResult]:
+        """The tokens of a launched step (waits for the device)."""
+        if fl.draw is not None:
+            return self._draw_results(fl.rows, fl.draw)
+        return self._sample(fl.rows, self.runner.host_logits(fl.logits), fed=1)
 
     def _execute(self, plan: StepPlan) -> dict[int, RowResult]:
         """Run the plan on the executor and sample; returns what each row produced."""
@@ -305,12 +376,30 @@ class Engine:
                 rows = [w.req for w in plan.decode]
                 on_device = self.device_sampler is not None
                 logits = self.runner.decode([r.live_seq for r in rows], [w.feed[-1] for w in plan.decode], on_device)
+                self.timer.add("inputs", self.runner.last_inputs_s)
+                self.timer.lap("launch")
                 results.update(self._sample_on_device(rows, logits) if on_device else self._sample(rows, logits, fed=1))
+                self.timer.lap("read")
         return results
 
     def _sample_on_device(self, reqs: list[Request], logits) -> dict[int, RowResult]:
         """The library's sampler over the decode logits where they are; grammar masks and the tokenizer's
         vocabulary limit travel as one bitmask."""
+        ds = self.device_sampler
+        assert ds is not None  # called only when the library samples on the device
+        results = self._draw_results(reqs, ds.start(logits, self._prepare_draw(reqs)))
+        self._sampled = {rid: res.tokens[0] for rid, res in results.items()}
+        return results
+
+    def _draw_results(self, reqs: list[Request], draw: PendingDraw) -> dict[int, RowResult]:
+        ds = self.device_sampler
+        assert ds is not None  # draws come from the device sampler
+        res = ds.collect(draw)
+        toks, lps = res if draw.return_logprobs else (res, [None] * len(reqs))
+        return {r.rid: RowResult([int(t)], [lp], fed=1) for r, t, lp in zip(reqs, toks, lps)}
+
+    def _prepare_draw(self, reqs: list[Request]) -> PendingDraw:
+        """Lanes bound, row parameters and masks uploaded (DeviceSampler.prepare); `start` queues the draw."""
         ds = self.device_sampler
         assert ds is not None  # called only when the library samples on the device
         live = self.scheduler.running
@@ -323,23 +412,30 @@ class Engine:
                 ds.bind(lane, r.row)
         bitmask = None
         limit = self.runner.sample_vocab
-        if limit < self.runner.vocab_size or any(r.grammar is not None for r in reqs):
-            bitmask = np.full((len(reqs), bitmask_words(self.runner.vocab_size)), -1, np.int32)
-            grammars = [r.grammar for r in reqs]
-            if any(g is not None for g in grammars):
-                sub = np.full((len(reqs), bitmask_words(limit)), -1, np.int32)
-                fill_bitmasks(grammars, sub)
-                bitmask[:, : sub.shape[1]] = sub
-            w, b = divmod(limit, 32)  # ids past the tokenizer's vocabulary: never drawn
-            if b:
-                bitmask[:, w] &= np.int32((1 << b) - 1) if b < 31 else np.int32(0x7FFFFFFF)
-            bitmask[:, w + (1 if b else 0):] = 0
+        grammars = [r.grammar for r in reqs]
+        if any(g is not None for g in grammars):
+            bitmask = self._vocab_mask(len(reqs)).copy()
+            sub = np.full((len(reqs), bitmask_words(limit)), -1, np.int32)
+            fill_bitmasks(grammars, sub)
+            bitmask[:, : sub.shape[1]] &= sub
+        elif limit < self.runner.vocab_size:
+            bitmask = self._vocab_mask(len(reqs))  # one array per batch size: the sampler keeps it on the device
         want_lp = any(r.params.logprobs or r.params.top_logprobs > 0 for r in reqs)
-        res = ds.sample(logits, [r.row for r in reqs], [self._lanes[r.rid] for r in reqs], bitmask,
-                        return_logprobs=want_lp)
-        toks, lps = res if want_lp else (res, [None] * len(reqs))
-        self._sampled = {r.rid: int(t) for r, t in zip(reqs, toks)}
-        return {r.rid: RowResult([int(t)], [lp], fed=1) for r, t, lp in zip(reqs, toks, lps)}
+        return ds.prepare([r.row for r in reqs], [self._lanes[r.rid] for r in reqs], bitmask, return_logprobs=want_lp)
+
+    def _vocab_mask(self, n: int) -> np.ndarray:
+        """[n, words] bitmask allowing the tokenizer's ids only (ids past it are never drawn); never modified."""
+        mask = self._limit_masks.get(n)
+        if mask is None:
+            limit = self.runner.sample_vocab
+            mask = np.full((n, bitmask_words(self.runner.vocab_size)), -1, np.int32)
+            w, b = divmod(limit, 32)
+            if b:
+                mask[:, w] &= np.int32((1 << b) - 1) if b < 31 else np.int32(0x7FFFFFFF)
+            mask[:, w + (1 if b else 0):] = 0
+            mask.flags.writeable = False
+            self._limit_masks[n] = mask
+        return mask
 
     def _sync_lanes(self) -> None:
         """A committed token the thinking budget replaced: the lane's counts follow what was committed."""
@@ -376,5 +472,5 @@ class Engine:
             counters=replace(self.counters), spec=replace(self.spec_counters), model=self.model_info,
             cache=cache.summary() if cache is not None else {}, planner=dict(kv.stats), occupancy=kv.occupancy(),
             transfers=dict(host.stats) if host is not None else {},
-            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g,
+            arena=host.arena.stats() if host is not None else {}, cuda_graphs=g, host_step=self.timer.summary(),
             vision=self.runner.vision.snapshot() if self.runner.vision is not None else {})

@@ -23,6 +23,8 @@ class Counters:
     prefill_rounds: int = 0
     preemptions: int = 0
     step_failures: int = 0
+    overlapped_decode_rounds: int = 0  # decode steps launched before the previous step's commit
+    discarded_decode_rows: int = 0  # rows of overlapped steps whose request ended before they committed
     queue_time_ms_last: float = 0.0
     queue_time_ms_max: float = 0.0
 
@@ -103,6 +105,7 @@ class EngineStats:
     arena: dict = field(default_factory=dict)  # pinned host arena: capacity, free, fragmentation
     cuda_graphs: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)  # the vision tower: device, weights, encode time, images
+    host_step: dict = field(default_factory=dict)  # host ms per decode step by phase (runtime/step_timing.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

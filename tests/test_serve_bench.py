@@ -52,6 +52,8 @@ def test_serve_bench_end_to_end(tmp_path):
             _summary_ok(c[k])
         assert c["itl_method"] == "even split of usage over chunks"
         assert c["decode_tok_s_full_batch"] > 0 and c["output_tok_s"] > 0
+        hs = c["host_step"]  # the engine's host time per decode step over the cell, by phase
+        assert hs["steps"] > 0 and hs["total_mean_ms"] >= hs["commit_mean_ms"] >= 0 and "emit_p99_ms" in hs
         assert c["stats_delta"]["counters"]["requests_finished"] == 2
         assert c["stats_delta"]["counters"]["committed_decode_tokens"] == 12
         assert c["preemptions"] == 0

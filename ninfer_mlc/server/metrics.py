@@ -19,6 +19,7 @@ PREFIX = "ninfer"
 _COUNTERS: dict[str, set] = {
     "http": {"requests_started", "responses_5xx"},
     "counters": {"*"},
+    "host_step": {"steps", "overlapped_steps"},
     "cache_reuse": {"lookups", "frontier_hits", "checkpoint_hits", "misses", "reused_prompt_tokens",
                     "claim_conflicts", "session_shortlist_hits", "entries_added"},
     "kv_transfers": {"*"},

@@ -140,7 +140,7 @@ def _pick(src: dict, keys, default=0) -> dict:
 COUNTER_KEYS = ("computed_prefill_tokens", "committed_decode_tokens", "decode_rounds", "decode_row_rounds",
                 "prefill_rounds", "preemptions", "requests_total", "requests_finished", "requests_cancelled",
                 "requests_failed", "requests_rejected_queue_full", "requests_rejected_context",
-                "requests_queue_timeout", "step_failures")
+                "requests_queue_timeout", "step_failures", "overlapped_decode_rounds", "discarded_decode_rows")
 CACHE_REUSE_KEYS = ("lookups", "frontier_hits", "checkpoint_hits", "misses", "reused_prompt_tokens",
                     "claim_conflicts", "session_shortlist_hits", "entries_added", "entries", "device_entries",
                     "host_entries", "checkpoints")
@@ -273,6 +273,7 @@ def render_stats(es: EngineStats, http_state: Any = None, model_id: Optional[str
         "load": load,
         "cache_options": cache_options,
         "vision": {"enabled": bool(es.vision), **es.vision},
+        "host_step": dict(es.host_step),  # host ms per decode step by phase, recent window (runtime/step_timing.py)
     }
 
 

@@ -10,9 +10,12 @@ needs more rows than they hold, and `generation` counts those moves so graphs ov
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional, Protocol, Sequence, cast
 
 import numpy as np
+
+from .host_copy import HostCopy
 
 
 class SeqLike(Protocol):
@@ -31,11 +34,16 @@ def _row_slots(seqs: Sequence[SeqLike]) -> list[int]:
 
 
 class _Buffer:
-    """One int32 host staging array + a device tensor of the same capacity."""
+    """One int32 host staging array + a device tensor of the same capacity, and its views by shape (made
+    once: the same object, at the same address, every time a shape recurs)."""
+
+    MAX_VIEWS = 256
 
     def __init__(self, tvm, dev, capacity: int):
         self.host = np.zeros(max(1, capacity), np.int32)
         self.dev = tvm.runtime.empty((self.host.size,), "int32", dev)
+        self._views: dict[tuple, Any] = {}
+        self._copy = HostCopy(tvm)
 
     @property
     def capacity(self) -> int:
@@ -43,9 +51,12 @@ class _Buffer:
 
     def upload(self, shape: tuple):
         """Device view of the first prod(shape) staged values (copied now)."""
-        n = int(np.prod(shape))
-        view = self.dev._create_view(tuple(int(s) for s in shape), "int32", 0)
-        view.copyfrom(self.host[:n].reshape(shape))
+        view = self._views.get(shape)
+        if view is None:
+            if len(self._views) >= self.MAX_VIEWS:
+                self._views.clear()
+            view = self._views[shape] = self.dev._create_view(tuple(int(s) for s in shape), "int32", 0)
+        self._copy(view, self.host[: math.prod(shape)], 4)
         return view
 
 

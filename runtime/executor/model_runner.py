@@ -72,6 +72,7 @@ class ModelRunner:
         self.ssm_pool: Any = None
         self.mtp_kv_pool: Any = None
         self.inputs: Optional[StepInputs] = None
+        self.last_inputs_s = 0.0  # staging + upload seconds of the last decode call (engine step timing)
         self.decode_graphs: Optional[GraphedFunction] = None
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
@@ -243,6 +244,10 @@ class ModelRunner:
     def _pools(self) -> list:
         return [self.kv_pool, self.conv_pool, self.ssm_pool, self.params]
 
+    def host_logits(self, logits) -> np.ndarray:
+        """A decode call's device logits (on_device=True) on the host, cut to the sampled vocabulary."""
+        return self._cut(logits.numpy())
+
     def _cut(self, logits: np.ndarray) -> np.ndarray:
         return logits if self.sample_vocab >= logits.shape[-1] else logits[..., : self.sample_vocab]
 
@@ -292,9 +297,12 @@ class ModelRunner:
             return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))]
         return list(logits)
 
-    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], on_device: bool = False):
+    def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], on_device: bool = False, wait: bool = True):
         """One token per sequence at its length; returns logits [B, V] (on_device: the library's output
-        tensor, uncut, for the device sampler; valid until the next decode call)."""
+        tensor, uncut, for the device sampler; valid until the next decode call). wait=False (with on_device):
+        return once the step is queued on the device (a CUDA graph replay does not wait for the stream).
+        `last_inputs_s` keeps the seconds spent staging and uploading the inputs."""
+        t0 = time.perf_counter()
         self._check_room(seqs, [1] * len(seqs))
         self._check_tokens([tokens])
         # CUDA: page-table width rounded up to a power of two, graphs or not (few graph keys, and the
@@ -303,12 +311,13 @@ class ModelRunner:
         assert self.inputs is not None  # allocate() made the input buffers
         args = self.inputs.decode(seqs, tokens, bucket)
         rope = decode_rope_positions(seqs)  # cache position + rope delta after images
+        self.last_inputs_s = time.perf_counter() - t0
         if rope is not None:
             tokens_v, positions_v, pt_v, slots_v = args
             out = self.vm["decode_mrope"](tokens_v, positions_v, self.inputs.tensor(rope), pt_v, slots_v,
                                           *self._pools())
         elif self.decode_graphs is not None:
-            out = self.decode_graphs(args, self._pools())
+            out = self.decode_graphs(args, self._pools(), wait=wait or not on_device)
         else:
             out = self.vm["decode"](*args, *self._pools())
         return out[0] if on_device else self._cut(out[0].numpy())

@@ -18,6 +18,7 @@ from typing import Optional, Protocol
 from ..errors import ContextTooLong, QueueTimeout
 from ..kv.manager import KVManager
 from ..stats import Counters, SchedulerState
+from ..step_timing import StepTimer
 from .request import Delta, Finished, Request
 
 
@@ -92,6 +93,7 @@ class Scheduler:
         self.spec = spec
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.timer: Optional[StepTimer] = None  # the engine's: detok / emit seconds of each commit
 
     # ---- queue -------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -241,8 +243,10 @@ class Scheduler:
         self.waiting.appendleft(v)
 
     # ---- committing -------------------------------------------------------------------------
-    def update(self, plan: StepPlan, results: dict[int, RowResult]) -> None:
-        """Advance sequences by what the step fed and commit what it produced."""
+    def update(self, plan: StepPlan, results: dict[int, RowResult], advanced: bool = False) -> None:
+        """Advance sequences by what the step fed and commit what it produced. advanced: the decode rows'
+        feed was accounted when the step was launched (overlapped steps, `advance_launched`); a row whose
+        request ended while the step ran is then dropped (its token is never committed)."""
         now = time.monotonic()
         if plan.prefill:
             self.counters.prefill_rounds += 1
@@ -263,11 +267,57 @@ class Scheduler:
             self.counters.decode_rounds += 1
             self.counters.decode_row_rounds += len(plan.decode)
         for d in plan.decode:
+            if advanced and d.req.rid not in self.running:
+                continue  # ended by the previous step's commit: this row's token is discarded
             res = results[d.req.rid]
             assert d.req.seq is not None  # planned rows are running
-            self.kv.advance(d.req.seq, res.fed)
+            if not advanced:
+                self.kv.advance(d.req.seq, res.fed)
             d.req.pending_token = None
             self._commit_row(d.req, res, now)
+
+    # ---- overlapped decode (the engine launches step N+1 before committing step N) ----------------
+    def overlappable(self, r: Request) -> bool:
+        """r's next token can be fed before it is committed: committing it will not replace it (a
+        thinking budget's forced close) and no grammar needs it to mask the following draw."""
+        if r.grammar is not None or r.forced:
+            return False
+        budget, th = r.req.thinking_budget, self.think
+        return budget is None or th.end_id is None or not r.in_think or r.think_tokens < budget
+
+    def continues(self, r: Request, t: int) -> bool:
+        """Committing t leaves r running as far as ids and lengths tell (a stop string may still end it)."""
+        return t not in r.stop_ids and len(r.generated) + 1 < r.max_tokens and self.overlappable(r)
+
+    def plan_next(self, prev: StepPlan, results: dict[int, RowResult]) -> Optional[StepPlan]:
+        """The decode step after `prev` (all of whose rows were launched with `advance_launched`), feeding
+        each row the token prev sampled, planned before prev is committed; None when the next step needs
+        the scheduler (a request it could admit, one prefilling, no page for a row). Requests waiting
+        for a lane while every lane is busy do not stop it (their queue timeout still applies)."""
+        if self.waiting:
+            self._expire()
+            if self.waiting and len(self.running) < self.max_concurrency:
+                return None
+        if not set(self.running) <= {d.req.rid for d in prev.decode}:
+            return None
+        rows = []
+        for d in prev.decode:
+            r = d.req
+            if r.rid not in self.running:
+                continue  # ended by the commit before: its row in prev is discarded
+            t = results[r.rid].tokens[-1]
+            if self.continues(r, t):
+                rows.append(DecodeWork(r, [t]))
+        if not rows or not all(self.kv.ensure(w.req.live_seq, 1) for w in rows):
+            return None  # (a page reserved here stays with its sequence, as schedule() leaves it)
+        return StepPlan(decode=rows)
+
+    def advance_launched(self, plan: StepPlan) -> None:
+        """Account a launched decode step's feed now (its commit then passes advanced=True): the
+        state slot moves when the step runs, so a request that ends before its row commits releases a
+        sequence whose length matches what the slot and pages hold."""
+        for d in plan.decode:
+            self.kv.advance(d.req.live_seq, len(d.feed))
 
     def _commit_row(self, r: Request, res: RowResult, now: float) -> None:
         committed, end = self._commit(r, res.tokens, res.logprobs, now)
@@ -313,8 +363,11 @@ class Scheduler:
         return t
 
     def _emit(self, r: Request, text: str, lp) -> None:
+        t0 = time.perf_counter()
         r.sink.push(Delta(text, r.unsent_ids, [lp] if lp is not None else []))
         r.unsent_ids = []
+        if self.timer is not None:
+            self.timer.add("emit", time.perf_counter() - t0)
 
     def _commit_one(self, r: Request, t: int, lp, now: float):
         """Record one token: stream it, apply stop tokens/strings and the length limit. Returns
@@ -332,7 +385,10 @@ class Scheduler:
                 self._emit(r, emit, None)
             return "stop", None
         r.unsent_ids.append(t)
+        t0 = time.perf_counter()
         emit, stopped, matched = r.stops.feed(r.detok.add(t))
+        if self.timer is not None:
+            self.timer.add("detok", time.perf_counter() - t0)
         if emit or lp is not None:
             self._emit(r, emit, lp)
         if stopped:
