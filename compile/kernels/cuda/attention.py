@@ -830,6 +830,11 @@ def paged_attention(
     NVLD = 4 if MMAQ else 4 * NQ
     RBX = RBU if MMA8 else RBW  # unit of the row base rb (fp8 rows: 4-byte words)
 
+    def _f4_kword(rb, b0, r, L, word):
+        """fp4_qk: poolu index of 32-bit word `word` of K row r of the batch at position b0 (rows past the token's
+        length: its last row, masked)."""
+        return (rb[0] + T.Cast("int64", b0 % PS + T.min(r, L - 1 - b0)) * RBW) * 4 + T.Cast("int64", word)
+
     def _kexp(ksc, r, qf):
         """fp8: 2^(e - 127) of the K row of score r (E8M0 byte e); fp4_qk: 1/enc of the lane's head (Q's row scale);
         1 otherwise."""
@@ -1043,14 +1048,12 @@ def paged_attention(
                                                     for kc in T.unroll(NKC):
                                                         for u in T.unroll(2):
                                                             kr[(tile * NKC + kc) * 2 + u] = T.cuda.func_call(
-                                                                LD4_FN, T.address_of(poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                                    tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4
-                                                                    + T.Cast("int64", 8 * kc + _b_word(lane, u))]),
+                                                                LD4_FN, T.address_of(poolu[_f4_kword(
+                                                                    rb, t0 + bt * 16, tile * 8 + gid, L, 8 * kc + _b_word(lane, u))]),
                                                                 source_code=LD4_SRC, return_type="uint32")
                                                         ksc[tile * NKC + kc] = T.cuda.func_call(
-                                                            LD4_FN, T.address_of(poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4
-                                                                + T.Cast("int64", D // 8 + kc)]),
+                                                            LD4_FN, T.address_of(poolu[_f4_kword(
+                                                                rb, t0 + bt * 16, tile * 8 + gid, L, D // 8 + kc)]),
                                                             source_code=LD4_SRC, return_type="uint32")
                                             else:
                                                 # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..

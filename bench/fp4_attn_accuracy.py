@@ -1,0 +1,89 @@
+"""Accuracy of the sm_120 NVFP4-KV attention's FP4 QK (paged_attention fp4_qk) against the dequant path, on the CPU.
+
+    .venv/bin/python bench/fp4_attn_accuracy.py [--ctx 512 4096] [--seeds 3]
+
+Both paths read the same NVFP4 K/V pages; the dequant path (f16 mma on K dequantized in registers, Q in f16) is
+exact up to f16/fp32 rounding, so its error against the float64 reference over the dequantized pages is ~1e-3
+(the CPU emulator measures it: tests/test_cuda_build.py). The FP4 QK adds Q's NVFP4 quantization (per (token, head)
+row scale enc = 2688 / amax, E4M3 block scales per 16, E2M1 codes: compile/kernels/cuda/emulate/attention.py
+quantize_q_nvfp4). This prints, per input kind and context length, the error of attention with that Q against
+attention with the exact Q (both float64 over the same dequantized K/V, 27B geometry: 24 q / 4 kv heads, D = 256,
+scale 1/16): max and mean over (token, head) rows of |o - o_ref|_2 / |o_ref|_2, and max|o - o_ref| / max|o_ref|
+(the emulator checks' rel_err). The kernel itself matches the Q-quantized reference to ~1e-3 (bf16 output;
+tests/test_fp4_attn.py).
+
+Inputs (n_tok query tokens per case, K/V rows through the page codec):
+  random    q, k, v ~ N(0, 1)
+  outliers  as random, then 4 of the 256 channels x 20 in q and k (massive-activation channels), k rows scaled by
+            exp(U(-2, 2)), a few q entries x 50 (per-row spikes)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from ninfer_mlc.compile import nvfp4 as F
+from ninfer_mlc.compile.kernels.cuda.emulate.attention import quantize_q_nvfp4
+
+HQ, HKV, D = 24, 4, 256
+
+
+def make_inputs(kind: str, ctx: int, n_tok: int, seed: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_tok, HQ, D)).astype(np.float32)
+    k = rng.standard_normal((ctx, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((ctx, HKV, D)).astype(np.float32)
+    if kind == "outliers":
+        ch = rng.choice(D, 4, replace=False)
+        q[..., ch] *= 20
+        k[..., ch] *= 20
+        k *= np.exp(rng.uniform(-2, 2, (ctx, HKV, 1))).astype(np.float32)
+        spikes = rng.random(q.shape) < 0.002
+        q[spikes] *= 50
+    elif kind != "random":
+        raise ValueError(kind)
+    import ml_dtypes
+
+    q = q.astype(ml_dtypes.bfloat16).astype(np.float32)  # the activations are bf16
+    kd = F.unpack_kv_nvfp4(F.pack_kv_nvfp4(k), D).astype(np.float64)
+    vd = F.unpack_kv_nvfp4(F.pack_kv_nvfp4(v), D).astype(np.float64)
+    return q, kd, vd
+
+
+def attend(q, K, V, scale: float):
+    """q [n, Hq, D], K/V [L, Hkv, D] float64 -> [n, Hq, D] (every query over all L positions)."""
+    g = HQ // HKV
+    qg = q.reshape(q.shape[0], HKV, g, D)
+    s = np.einsum("nkgd,lkd->nkgl", qg, K) * scale
+    p = np.exp(s - s.max(-1, keepdims=True))
+    o = np.einsum("nkgl,lkd->nkgd", p, V) / p.sum(-1, keepdims=True)
+    return o.reshape(q.shape)
+
+
+def q_quant_error(kind: str, ctx: int, seed: int, n_tok: int = 8) -> dict:
+    q, K, V = make_inputs(kind, ctx, n_tok, seed)
+    ref = attend(q.astype(np.float64), K, V, D ** -0.5)
+    got = attend(quantize_q_nvfp4(q).astype(np.float64), K, V, D ** -0.5)
+    row = np.linalg.norm(got - ref, axis=-1) / np.linalg.norm(ref, axis=-1)
+    return dict(row_max=float(row.max()), row_mean=float(row.mean()),
+                rel_err=float(np.abs(got - ref).max() / np.abs(ref).max()))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ctx", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--seeds", type=int, default=3)
+    a = ap.parse_args(argv)
+    print("input     ctx    row-rel-L2 max  row-rel-L2 mean  max|err|/max|ref|")
+    for kind in ("random", "outliers"):
+        for ctx in a.ctx:
+            rs = [q_quant_error(kind, ctx, s) for s in range(a.seeds)]
+            print(f"{kind:9s} {ctx:5d}  {max(r['row_max'] for r in rs):14.4f}  "
+                  f"{np.mean([r['row_mean'] for r in rs]):15.4f}  {max(r['rel_err'] for r in rs):17.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
