@@ -38,6 +38,18 @@ Three launches inside the one prim_func (stream order is the barrier between the
      (columns 32g..32g+31, so the lane ends with columns 32g + 8q + 0..7), plus their scale bytes: 8
      16-byte and 6 4-byte loads per 16 positions (72 + 72 bytes per lane instead of 256 + 256), then per
      8 codes 2 byte permutes (magnitude from the f16 high bytes, sign), 1 f16x2 multiply by the scale.
+     fp4_qk (sm_120a, asked for by the sm_120 kernel set; nvfp4 pages on this path): S = Q K^T on the
+     block-scaled FP4 tensor cores instead, straight from the page bytes. The block first quantizes Q of its G
+     heads to NVFP4 in shared memory (warp per head row, lane per 16-block) with fp4_mma's activation convention:
+     enc = 2688 / amax of the (token, head) row (so the row's top block scale is 448 and one outlier head cannot
+     push the others into E4M3 subnormals), block scale E4M3(amax_blk x enc / 6), codes E2M1(x enc / scale); lane
+     (g, t) keeps head g's A fragment words t, t + 4 of every 64-column chunk, its scale words and 1/enc in
+     registers. Per 16 positions it loads K code words t, t + 4 of every chunk of rows g, 8 + g (16 4-byte
+     loads) and the two rows' scale words (2 16-byte loads; the f16 path: 4 16-byte + 2 4-byte), and issues one
+     `mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64` per chunk and 8 positions (8 instead of 32
+     f16 mma, no K dequantization); the C fragment is the m16n8k16 one, scores are x 1/enc of head g, and the
+     softmax and P.V (V dequantized in registers) are the nvfp4 path's. Q's NVFP4 rounding is the price
+     (bench/fp4_attn_accuracy.py: ~9 % mean relative error of the output rows on Gaussian inputs).
      fp8 pages (16-bit activations) take it with the bf16 path's columns (rows of D + 4 bytes: 4-byte
      loads), each pair of E4M3 codes converted to f16x2 by one cvt; the K row exponent scales the lane's
      scores, the V row exponent e joins the P.V weights: P = 2^(s + e - mv) in f16 with mv the running
@@ -744,6 +756,8 @@ def paged_attention(
     MMAQ = MMA and nvfp4  # tensor cores over nvfp4 pages (f16 mma on fragments dequantized in registers)
     MMAF4 = MMAQ and fp4_qk and fp4_qk_applies(n_heads, n_kv, head_dim, dtype, kv_dt)  # ... with Q K^T in FP4
     NKC = D // 64  # fp4_qk: 64-column chunks of a row (one m16n8k64 each)
+    if MMAF4 and NKC != 4:
+        raise AssertionError("fp4_qk loads a K row's 4 scale words at once (head_dim 256)")
     NQB = D // NVFP4_BLOCK  # fp4_qk: 16-column blocks of a Q row (one lane each when quantizing)
     MMA8 = MMA and kv_dt == "fp8"  # tensor cores over fp8 pages (f16 mma on the converted codes, row exponents)
     RBW = (row_bytes // 16 if nvfp4 else 1 if quant else D // 8) if MMA else 1  # row in 16-byte units (uint32 x 4)
@@ -1043,7 +1057,7 @@ def paged_attention(
                                         elif MMAQ:
                                             if MMAF4:
                                                 # -- fp4_qk: K rows gid, 8 + gid (the B fragments' column, fp4_mma.b_frag):
-                                                # code words tig, tig + 4 of each 64-column chunk and the chunk's scale word
+                                                # code words tig, tig + 4 of each 64-column chunk, then the rows' scale words
                                                 for tile in T.unroll(2):
                                                     for kc in T.unroll(NKC):
                                                         for u in T.unroll(2):
@@ -1051,10 +1065,12 @@ def paged_attention(
                                                                 LD4_FN, T.address_of(poolu[_f4_kword(
                                                                     rb, t0 + bt * 16, tile * 8 + gid, L, 8 * kc + _b_word(lane, u))]),
                                                                 source_code=LD4_SRC, return_type="uint32")
-                                                        ksc[tile * NKC + kc] = T.cuda.func_call(
-                                                            LD4_FN, T.address_of(poolu[_f4_kword(
-                                                                rb, t0 + bt * 16, tile * 8 + gid, L, D // 8 + kc)]),
-                                                            source_code=LD4_SRC, return_type="uint32")
+                                                    # the row's NKC = 4 scale words (byte j of word kc: block
+                                                    # 4 kc + j) in one 16-byte load (offset D/2: 16-byte aligned)
+                                                    T.evaluate(T.cuda.func_call(
+                                                        LD_FN, T.address_of(ksc[tile * NKC]), T.address_of(
+                                                            poolu[_f4_kword(rb, t0 + bt * 16, tile * 8 + gid, L, D // 8)]),
+                                                        source_code=LD_SRC))
                                             else:
                                                 # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
                                                 # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
