@@ -7,6 +7,7 @@ fp4_qk), checked without a GPU:
   kernel does, the per-lane A / B registers and scale words built with the kernel's own index helpers from the page
   bytes, the block-scaled m16n8k64 of tests/test_fp4_mma.py placed by the CUTLASS layouts, 1/enc) against float64
   scores of the dequantized Q and K, then whole attention against the float64 reference with Q quantized;
+* the emulator's FP4 mma (prelude.py) against the numpy one of tests/test_fp4_mma.py on random registers;
 * the generated CUDA on the CPU emulator (the FP4 mma emulated like mma.sync m16n8k16) against the float64
   reference with Q quantized (bf16 output: < 1e-2; measured ~1e-3), and the Q-quantization error against exact Q;
 * build: the kernel compiles for sm_120a without spills and its SASS holds OMMA.SF.16864.F32.E2M1.E2M1.UE4M3
@@ -159,6 +160,36 @@ def test_q_quantizer_numpy_matches_ml_dtypes():
 
 
 # ----------------------------------------------------------------------------- generated CUDA on the emulator
+
+_MMA_HARNESS = r"""
+extern "C" void emu_nvf4_warp(const unsigned* regs, float* out) {  // regs [32][8]: a0..a3, b0, b1, sfa, sfb
+  emu_launch(1, 1, 1, 32, [=] {
+    const unsigned* r = regs + 8 * threadIdx.x;
+    float c[4] = {1.f, -2.f, 0.5f, 0.f};
+    ninfer_attn_mma_nvf4(c, r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]);
+    for (int o = 0; o < 4; ++o) out[4 * threadIdx.x + o] = c[o];
+  });
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_emulator_fp4_mma_matches_cutlass_layouts():
+    """The CPU emulator's block-scaled m16n8k64 (prelude.py) = test_fp4_mma's numpy one (CUTLASS TV layouts), with
+    garbage in the scale registers of the lanes the instruction does not read."""
+    import ctypes
+
+    from ninfer_mlc.compile.kernels.cuda.emulate import prelude
+    from ninfer_mlc.compile.kernels.cuda.emulate.lib import compile_shared
+
+    lib = compile_shared(prelude.source() + _MMA_HARNESS, name="nvf4_warp")
+    rng = np.random.default_rng(11)
+    regs = rng.integers(0, 2 ** 32, (32, 8), dtype=np.uint64).astype(np.uint32)
+    regs[:, 6:] = rng.integers(0x08, 0x70, (32, 2, 4), dtype=np.uint8).view("<u4")[..., 0]  # E4M3 scales, no NaN
+    out = np.zeros((32, 4), np.float32)
+    lib.emu_nvf4_warp(regs.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p))
+    want = mma_m16n8k64(regs[:, :4], regs[:, 4:6], regs[:, 6], regs[:, 7]) + np.array([1, -2, 0.5, 0])
+    np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 def test_fp4_qk_cuda_source_on_cpu_emulator():
