@@ -38,6 +38,19 @@ Three launches inside the one prim_func (stream order is the barrier between the
      (columns 32g..32g+31, so the lane ends with columns 32g + 8q + 0..7), plus their scale bytes: 8
      16-byte and 6 4-byte loads per 16 positions (72 + 72 bytes per lane instead of 256 + 256), then per
      8 codes 2 byte permutes (magnitude from the f16 high bytes, sign), 1 f16x2 multiply by the scale.
+     fp4_qk (sm_120a, asked for by the sm_120 kernel set; nvfp4 pages on this path): S = Q K^T on the
+     block-scaled FP4 tensor cores instead, straight from the page bytes. The block first quantizes Q of its G
+     heads to NVFP4 in shared memory (warp per head row, lane per 16-block) with fp4_mma's activation convention:
+     enc = 2688 / amax of the (token, head) row (so the row's top block scale is 448 and one outlier head cannot
+     push the others into E4M3 subnormals), block scale E4M3(amax_blk x enc / 6), codes E2M1(x enc / scale); lane
+     (g, t) keeps head g's A fragment words t, t + 4 of every 64-column chunk, its scale words and 1/enc in
+     registers. Per 16 positions it loads K code words t, t + 4 of every chunk of rows g, 8 + g (16 4-byte
+     loads) and the two rows' scale words (2 16-byte loads; the f16 path: 4 16-byte + 2 4-byte), and issues one
+     `mma.sync ... kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64` per chunk and 8 positions (8 instead of 32
+     f16 mma, no K dequantization); the C fragment is the m16n8k16 one, scores are x 1/enc of head g, and the
+     softmax and P.V (V dequantized in registers) are the nvfp4 path's. Q's NVFP4 rounding is the price
+     (bench/fp4_attn_accuracy.py, Gaussian inputs: 9.4 % mean relative error of the output rows against the
+     dequant path; against unquantized bf16 K/V the mean goes from 13.5 % (NVFP4 K/V alone) to 16.4 %).
      fp8 pages (16-bit activations) take it with the bf16 path's columns (rows of D + 4 bytes: 4-byte
      loads), each pair of E4M3 codes converted to f16x2 by one cvt; the K row exponent scales the lane's
      scores, the V row exponent e joins the P.V weights: P = 2^(s + e - mv) in f16 with mv the running
@@ -95,6 +108,7 @@ from ..attention_quant import (
     FP8_ROW_PAD, QUANT_KV_DTYPES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_decode_abs, e4m3_encode,
     e4m3_encode_abs, kv_row, pow2_from_e8m0,
 )
+from .fp4_mma import a_frag, b_frag, row_encode_scale, sfa_row
 
 NEG_BIG = -3.0e38
 NVFP4_BLOCK = 16
@@ -190,6 +204,39 @@ __forceinline__ __device__ float ninfer_attn_h2f(unsigned h) {
 }""", guard=True)
 
 
+# fp4_qk (sm_120a): S = Q K^T on the block-scaled FP4 tensor cores, D[16x8] += (A x SFA)(B x SFB) with A = Q (16 rows =
+# heads, 64 columns), B = K^T (64 columns x 8 positions), E2M1 operands and UE4M3 scales per 16 k (fragment layouts:
+# fp4_mma.py a_frag / b_frag / sfa_row / sfb_col / c_frag); the C fragment is the m16n8k16 one the softmax reads
+MMA_NVF4_FN, MMA_NVF4_SRC = "ninfer_attn_mma_nvf4", _dev_src("""
+__forceinline__ __device__ void ninfer_attn_mma_nvf4(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                                                     unsigned b0, unsigned b1, unsigned sfa, unsigned sfb) {
+  asm volatile(
+    "mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col.f32.e2m1.e2m1.f32.ue4m3 "
+    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3}, {%10}, {%11,%12}, {%13}, {%14,%15};\\n"
+    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
+      "r"(sfa), "h"((unsigned short)0), "h"((unsigned short)0),
+      "r"(sfb), "h"((unsigned short)0), "h"((unsigned short)0));
+}""")
+# 4-byte load through the read-only path (fp4_qk: the K code words of a B fragment are 4-byte pieces of the row)
+LD4_FN, LD4_SRC = "ninfer_attn_ld4", _dev_src("""
+__forceinline__ __device__ unsigned ninfer_attn_ld4(const void* p) {
+  unsigned r;
+  asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}""")
+
+
+def _a_word(lane, u):
+    """fp4_qk: word (of a 64-column chunk) of A register 2u of `lane` (registers 1, 3: rows 8..15, zero)."""
+    return a_frag(lane, 2 * u)[1]
+
+
+def _b_word(lane, u):
+    """fp4_qk: word (of a 64-column chunk) of B register u of `lane` (column: position lane // 4 of the tile)."""
+    return b_frag(lane, u)[1]
+
+
 def _fdiv_rn(a, b):
     """IEEE round-to-nearest fp32 division (TVM builds CUDA with --use_fast_math)."""
     return tirx.call_pure_extern("float32", "__fdiv_rn", a, b)
@@ -258,6 +305,12 @@ def mma_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: st
         return False
     return (kv == dtype and head_dim % 64 == 0) or (kv == "nvfp4" and head_dim == 256) or (
         kv == "fp8" and head_dim % 64 == 0)
+
+
+def fp4_qk_applies(n_heads: int, n_kv: int, head_dim: int, dtype: str, kv_dtype: str | None) -> bool:
+    """The block-scaled FP4 QK (paged_attention fp4_qk, sm_120a): nvfp4 pages where the tensor-core attend path
+    applies (head_dim 256, at most 8 query heads per KV head, 16-bit activations), whose P.V side it keeps."""
+    return kv_dtype == "nvfp4" and mma_applies(n_heads, n_kv, head_dim, dtype, kv_dtype)
 
 
 def attend_plan(n_heads: int, n_kv: int, head_dim: int, kv_dtype: str, threads: int = 128,
@@ -639,14 +692,16 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
 def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
-    mma: bool | None = None, prefill: bool | None = None, prefill_min: int = PF_MIN_ROWS,
+    mma: bool | None = None, prefill: bool | None = None, prefill_min: int = PF_MIN_ROWS, fp4_qk: bool = False,
 ):
     """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages, or the quantized
     uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel). threads: block size of
     the attend launch (a power of two number of warps); qb: positions per QK batch of the SIMT path
     (None: chosen from the register budget); mma: use the tensor-core path (None: wherever it
     applies, i.e. bf16 / f16 pages with the same activation dtype); prefill: calls with n >= prefill_min
-    tokens take the FlashAttention-2 attend launch (None: wherever prefill_applies)."""
+    tokens take the FlashAttention-2 attend launch (None: wherever prefill_applies); fp4_qk: the split attend
+    launch computes Q K^T on the sm_120a block-scaled FP4 tensor cores wherever fp4_qk_applies (the kernel set
+    asks for it on cuda:sm_120 with nvfp4 pages; the code only assembles for sm_120a / sm_121a)."""
     kv_dt = kv_dtype or dtype
     quant = kv_dt in QUANT_KV_DTYPES
     if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
@@ -700,6 +755,11 @@ def paged_attention(
     NQ = D // 64  # 64-column groups of a V row (four 16-row m tiles each)
     NACC = NQ * 16  # fp32 accumulators per lane (heads 2tig, 2tig+1 x 8 columns per group)
     MMAQ = MMA and nvfp4  # tensor cores over nvfp4 pages (f16 mma on fragments dequantized in registers)
+    MMAF4 = MMAQ and fp4_qk and fp4_qk_applies(n_heads, n_kv, head_dim, dtype, kv_dt)  # ... with Q K^T in FP4
+    NKC = D // 64  # fp4_qk: 64-column chunks of a row (one m16n8k64 each)
+    if MMAF4 and NKC != 4:
+        raise AssertionError("fp4_qk loads a K row's 4 scale words at once (head_dim 256)")
+    NQB = D // NVFP4_BLOCK  # fp4_qk: 16-column blocks of a Q row (one lane each when quantizing)
     MMA8 = MMA and kv_dt == "fp8"  # tensor cores over fp8 pages (f16 mma on the converted codes, row exponents)
     RBW = (row_bytes // 16 if nvfp4 else 1 if quant else D // 8) if MMA else 1  # row in 16-byte units (uint32 x 4)
     RBU = row_bytes // 4  # row length in 32-bit words
@@ -779,12 +839,22 @@ def paged_attention(
         ns = T.Cast("int64", _nsplit(n, p))
         return T.Select(ns > 1, n * n_heads * ns * per, T.int64(1))
 
+    QF = 3 * NKC + 1 if MMAF4 else 4  # Q fragment registers (fp4_qk: codes, scale words, 1/enc of head gid)
+    KSC = 2 * NKC if MMAF4 else 4  # K scale words per lane and batch
     NKLD = 2 * 2 if MMAQ else 2 * NSLAB  # 16-byte K / V loads per lane and batch
     NVLD = 4 if MMAQ else 4 * NQ
     RBX = RBU if MMA8 else RBW  # unit of the row base rb (fp8 rows: 4-byte words)
 
-    def _kexp(ksc, r):
-        """fp8: 2^(e - 127) of the K row of score r (E8M0 byte e); 1 otherwise."""
+    def _f4_kword(rb, b0, r, L, word):
+        """fp4_qk: poolu index of 32-bit word `word` of K row r of the batch at position b0 (rows past the token's
+        length: its last row, masked)."""
+        return (rb[0] + T.Cast("int64", b0 % PS + T.min(r, L - 1 - b0)) * RBW) * 4 + T.Cast("int64", word)
+
+    def _kexp(ksc, r, qf):
+        """fp8: 2^(e - 127) of the K row of score r (E8M0 byte e); fp4_qk: 1/enc of the lane's head (Q's row scale);
+        1 otherwise."""
+        if MMAF4:
+            return T.reinterpret("float32", qf[3 * NKC])
         return pow2_from_e8m0(ksc[r] & T.uint32(0xFF)) if MMA8 else T.float32(1)
     PACKH_FN, PACKH_SRC = _PACK_SRC["float16"]
 
@@ -797,6 +867,11 @@ def paged_attention(
                 e = e | kr_all[k_ * 4 + 1]
             for k_ in range(4 * NQ):
                 e = e | vr_all[k_ * 4 + 1]
+            return e
+        if MMAF4:  # (every K word: they are 4-byte loads)
+            e = vsc[0] | vsc[1] | vsc[2] | vsc[3]
+            for k_ in range(2 * NKC):
+                e = e | ksc[k_] | kr_all[2 * k_] | kr_all[2 * k_ + 1]
             return e
         if not MMAQ:
             return T.uint32(0)
@@ -847,7 +922,7 @@ def paged_attention(
                 for g in T.thread_binding(n_kv, thread="blockIdx.y"):
                     for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
                         for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                            qf = T.alloc_buffer((4,), "uint32", scope="local")
+                            qf = T.alloc_buffer((QF,), "uint32", scope="local")
                             qsm = T.alloc_buffer((8 * QROW,), "uint32", scope="shared")
                             acc = T.alloc_buffer((NACC,), "float32", scope="local")
                             kr = T.alloc_buffer((2 * NSLAB * 4,), "uint32", scope="local")
@@ -858,7 +933,7 @@ def paged_attention(
                             tm = T.alloc_buffer((4,), "float32", scope="local")
                             rb = T.alloc_buffer((1,), "int64", scope="local")
                             ob = T.alloc_buffer((8,), dtype, scope="local")
-                            ksc = T.alloc_buffer((4,), "uint32", scope="local")  # nvfp4 / fp8: scale words
+                            ksc = T.alloc_buffer((KSC,), "uint32", scope="local")  # nvfp4 / fp8: scale words
                             vsc = T.alloc_buffer((4,), "uint32", scope="local")
                             fd = T.alloc_buffer((4 * 4,), "uint32", scope="local")  # nvfp4: dequantized f16x2
                             mg = T.alloc_buffer((WH * 32 * (NACC + 4),), "float32", scope="shared")
@@ -873,23 +948,73 @@ def paged_attention(
                             c_lo = s * cps
                             c_hi = T.min(c_lo + cps, nch)
                             row = tseq[i]
-                            # Q of the group's heads in shared memory as bf16 pairs, rows padded (no bank
-                            # conflicts), rows G..7 zero; read as mma fragments in the loop
-                            for e in range((8 * D // 2 + NT - 1) // NT):
-                                if e * NT + tx < 8 * D // 2:
-                                    if MMAQ or MMA8:
-                                        # f16 pairs in the k order of the nvfp4 fragments: word k of 16-byte unit
-                                        # 4 s0 + t holds columns c + PERM[k], c = 64 t + 8 s0
-                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
-                                            (e * NT + tx) // (D // 2) < G, T.cuda.func_call(
-                                                PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 1),
-                                                source_code=PACKH_SRC, return_type="uint32"), T.uint32(0))
-                                    else:
-                                        qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
-                                            (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
-                                                (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
-                                            T.uint32(0))
+                            if MMAF4:
+                                # fp4_qk: Q of the group's heads quantized to NVFP4 in shared memory, per head row as
+                                # fp4_mma's activation quantizer (enc = 2688 / amax of the row, block scales E4M3 of
+                                # the 16-blocks x enc, E2M1 codes): warp w takes heads w, w + W, ..., lane l the block
+                                # l % NQB. Row h of qsm: D/8 code words, NKC scale words (byte j: block 4 kc + j), the
+                                # bits of 1/enc. Scratch registers: acc (the block x enc), tm (enc, block scale), vsc
+                                # (amax bits, scale byte / word), pk (code words)
+                                for hh in range((G + W - 1) // W):
+                                    if hh * W + w < G:
+                                        vsc[0] = T.uint32(0)
+                                        for e in T.unroll(NVFP4_BLOCK):
+                                            acc[e] = T.Cast("float32", q[i, g * G + hh * W + w, lane % NQB * NVFP4_BLOCK + e])
+                                            vsc[0] = T.max(vsc[0], _abs_bits(acc[e]))
+                                        for o in T.unroll(5):
+                                            vsc[0] = T.max(vsc[0], T.tvm_warp_shuffle_xor(
+                                                T.uint32(0xFFFFFFFF), vsc[0], 16 >> o, 32, 32))
+                                        tm[0] = row_encode_scale(T.reinterpret("float32", vsc[0]))
+                                        vsc[1] = T.uint32(0)
+                                        for e in T.unroll(NVFP4_BLOCK):
+                                            acc[e] = acc[e] * tm[0]
+                                            vsc[1] = T.max(vsc[1], _abs_bits(acc[e]))
+                                        vsc[1] = e4m3_encode_abs(_fdiv_rn(T.reinterpret("float32", vsc[1]), T.float32(6.0)))
+                                        tm[1] = e4m3_decode_abs(vsc[1])
+                                        for hw in T.unroll(2):
+                                            pk[hw] = T.uint32(0)
+                                            for e in T.unroll(8):
+                                                pk[hw] = pk[hw] | (_nvfp4_code(acc[hw * 8 + e], tm[1]) << T.uint32(4 * e))
+                                        # the chunk's scale word from the 4 lanes of its blocks
+                                        vsc[1] = vsc[1] << T.Cast("uint32", 8 * (lane % 4))
+                                        vsc[1] = vsc[1] | T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), vsc[1], 1, 32, 32)
+                                        vsc[1] = vsc[1] | T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), vsc[1], 2, 32, 32)
+                                        if lane < NQB:
+                                            for hw in T.unroll(2):
+                                                qsm[(hh * W + w) * QROW + 2 * lane + hw] = pk[hw]
+                                            if lane % 4 == 0:
+                                                qsm[(hh * W + w) * QROW + D // 8 + lane // 4] = vsc[1]
+                                            if lane == 0:
+                                                qsm[(hh * W + w) * QROW + D // 8 + NKC] = T.reinterpret(
+                                                    "uint32", _fdiv_rn(T.float32(1.0), tm[0]))
+                            else:
+                                # Q of the group's heads in shared memory as bf16 pairs, rows padded (no bank
+                                # conflicts), rows G..7 zero; read as mma fragments in the loop
+                                for e in range((8 * D // 2 + NT - 1) // NT):
+                                    if e * NT + tx < 8 * D // 2:
+                                        if MMAQ or MMA8:
+                                            # f16 pairs in the k order of the nvfp4 fragments: word k of 16-byte unit
+                                            # 4 s0 + t holds columns c + PERM[k], c = 64 t + 8 s0
+                                            qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                                (e * NT + tx) // (D // 2) < G, T.cuda.func_call(
+                                                    PACKH_FN, _qcol(q, i, g, e * NT + tx, 0), _qcol(q, i, g, e * NT + tx, 1),
+                                                    source_code=PACKH_SRC, return_type="uint32"), T.uint32(0))
+                                        else:
+                                            qsm[(e * NT + tx) // (D // 2) * QROW + (e * NT + tx) % (D // 2)] = T.Select(
+                                                (e * NT + tx) // (D // 2) < G, qw1[(T.Cast("int64", i) * n_heads + g * G + T.min(
+                                                    (e * NT + tx) // (D // 2), G - 1)) * (D // 2) + (e * NT + tx) % (D // 2)],
+                                                T.uint32(0))
                             T.tvm_storage_sync("shared")
+                            if MMAF4:
+                                # this lane's A fragments (fp4_mma.a_frag: head gid, words tig, tig + 4 of each chunk;
+                                # rows 8..15 are zero, as are heads >= G), its scale words (sfa_row) and 1/enc of head gid
+                                for kc in T.unroll(NKC):
+                                    for u in T.unroll(2):
+                                        qf[2 * kc + u] = T.Select(gid < G, qsm[T.min(gid, G - 1) * QROW + 8 * kc + _a_word(
+                                            lane, u)], T.uint32(0))
+                                    qf[2 * NKC + kc] = T.Select(sfa_row(lane) < G, qsm[T.min(sfa_row(lane), G - 1) * QROW
+                                                                                      + D // 8 + kc], T.uint32(0))
+                                qf[3 * NKC] = qsm[T.min(gid, G - 1) * QROW + D // 8 + NKC]
                             with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MIN_BLOCKS):
                                 # __launch_bounds__(NT, 8 warps / W): without a minimum ptxas caps the registers
                                 # lower and sinks the batch's loads next to their mma (a round trip each)
@@ -931,17 +1056,34 @@ def paged_attention(
                                                     2 * tig + rr % 2 + 8 * (rr // 2), L - 1 - t0 - bt * 16)) * RBU
                                                     + T.Cast("int64", D // 4)]
                                         elif MMAQ:
-                                            # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
-                                            # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
-                                            for tile in T.unroll(2):
-                                                for u in T.unroll(2):
-                                                    T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * 2 + u) * 4]),
-                                                        T.address_of(poolw[
-                                                            rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                                tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
-                                                            + T.Cast("int64", 2 * tig + u), 0]), source_code=LD_SRC))
-                                                ksc[tile] = poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
-                                                    tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4 + T.Cast("int64", D // 8 + tig)]
+                                            if MMAF4:
+                                                # -- fp4_qk: K rows gid, 8 + gid (the B fragments' column, fp4_mma.b_frag):
+                                                # code words tig, tig + 4 of each 64-column chunk, then the rows' scale words
+                                                for tile in T.unroll(2):
+                                                    for kc in T.unroll(NKC):
+                                                        for u in T.unroll(2):
+                                                            kr[(tile * NKC + kc) * 2 + u] = T.cuda.func_call(
+                                                                LD4_FN, T.address_of(poolu[_f4_kword(
+                                                                    rb, t0 + bt * 16, tile * 8 + gid, L, 8 * kc + _b_word(lane, u))]),
+                                                                source_code=LD4_SRC, return_type="uint32")
+                                                    # the row's NKC = 4 scale words (byte j of word kc: block
+                                                    # 4 kc + j) in one 16-byte load (offset D/2: 16-byte aligned)
+                                                    T.evaluate(T.cuda.func_call(
+                                                        LD_FN, T.address_of(ksc[tile * NKC]), T.address_of(
+                                                            poolu[_f4_kword(rb, t0 + bt * 16, tile * 8 + gid, L, D // 8)]),
+                                                        source_code=LD_SRC))
+                                            else:
+                                                # -- nvfp4: K rows gid, 8 + gid: code bytes 32 tig .. +31 (columns 64 tig ..
+                                                # +63: word s0 = columns 64 tig + 8 s0 + 0..7) and their 4 block scales
+                                                for tile in T.unroll(2):
+                                                    for u in T.unroll(2):
+                                                        T.evaluate(T.cuda.func_call(LD_FN, T.address_of(kr[(tile * 2 + u) * 4]),
+                                                            T.address_of(poolw[
+                                                                rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                                    tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW
+                                                                + T.Cast("int64", 2 * tig + u), 0]), source_code=LD_SRC))
+                                                    ksc[tile] = poolu[(rb[0] + T.Cast("int64", (t0 + bt * 16) % PS + T.min(
+                                                        tile * 8 + gid, L - 1 - t0 - bt * 16)) * RBW) * 4 + T.Cast("int64", D // 8 + tig)]
                                             # -- V rows 2tig, 2tig+1, 2tig+8, 2tig+9: code bytes 16 gid .. +15 (word q0 =
                                             # columns 32 gid + 8 q0 + 0..7), the scale pair of blocks 2 gid, 2 gid + 1
                                             for rr in T.unroll(4):
@@ -980,47 +1122,58 @@ def paged_attention(
                                             _or_words(vr, NVLD) | _or_words(kr, NKLD) | _or_scales(ksc, vsc, kr, vr)))
                                         for r in T.unroll(8):
                                             sc[r] = tm[0]
-                                        for s0 in T.unroll(NSLAB):
-                                            # fragment of head gid, columns 32 s0 + 8 tig + 0..7
-                                            for e in T.vectorized(4):
-                                                qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
-                                            for tile in T.unroll(2):
-                                                if MMA8:
-                                                    for j in T.unroll(4):
-                                                        fd[j] = T.cuda.func_call(
-                                                            E4M3X2_F16X2_FN, kr[(tile * NSLAB + s0) * 4 + j // 2] >> T.Cast(
-                                                                "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
-                                                            return_type="uint32")
-                                                    for hk in T.unroll(2):
-                                                        T.evaluate(T.cuda.func_call(
-                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
-                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
-                                                            source_code=MMA_SRC))
-                                                elif MMAQ:
-                                                    # word s0 of the row: 8 codes, scale byte s0 // 2 of the lane's 4
+                                        if MMAF4:
+                                            # fp4_qk: one m16n8k64 per 64-column chunk and 8 positions, straight from
+                                            # the page's codes and block scales
+                                            for kc in T.unroll(NKC):
+                                                for tile in T.unroll(2):
                                                     T.evaluate(T.cuda.func_call(
-                                                        NVFP4_F16X8_FN, T.address_of(fd[0]), kr[tile * 8 + s0],
-                                                        T.cuda.func_call(E4M3_F16X2_FN, ksc[tile] >> T.Cast("uint32", 8 * (s0 // 2)),
-                                                                         source_code=E4M3_F16X2_SRC, return_type="uint32"),
-                                                        source_code=NVFP4_F16X8_SRC))
-                                                    for hk in T.unroll(2):
+                                                        MMA_NVF4_FN, T.address_of(sc[tile * 4]), qf[2 * kc], T.uint32(0),
+                                                        qf[2 * kc + 1], T.uint32(0), kr[(tile * NKC + kc) * 2],
+                                                        kr[(tile * NKC + kc) * 2 + 1], qf[2 * NKC + kc], ksc[tile * NKC + kc],
+                                                        source_code=MMA_NVF4_SRC))
+                                        else:
+                                            for s0 in T.unroll(NSLAB):
+                                                # fragment of head gid, columns 32 s0 + 8 tig + 0..7
+                                                for e in T.vectorized(4):
+                                                    qf[e] = qsm4[gid * (QROW // 4) + 4 * s0 + tig, e]
+                                                for tile in T.unroll(2):
+                                                    if MMA8:
+                                                        for j in T.unroll(4):
+                                                            fd[j] = T.cuda.func_call(
+                                                                E4M3X2_F16X2_FN, kr[(tile * NSLAB + s0) * 4 + j // 2] >> T.Cast(
+                                                                    "uint32", 16 * (j % 2)), source_code=E4M3X2_F16X2_SRC,
+                                                                return_type="uint32")
+                                                        for hk in T.unroll(2):
+                                                            T.evaluate(T.cuda.func_call(
+                                                                MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                                qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                                source_code=MMA_SRC))
+                                                    elif MMAQ:
+                                                        # word s0 of the row: 8 codes, scale byte s0 // 2 of the lane's 4
                                                         T.evaluate(T.cuda.func_call(
-                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
-                                                            qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
-                                                            source_code=MMA_SRC))
-                                                else:
-                                                    for hk in T.unroll(2):
-                                                        T.evaluate(T.cuda.func_call(
-                                                            MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
-                                                            qf[2 * hk + 1], T.uint32(0),
-                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk],
-                                                            kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
+                                                            NVFP4_F16X8_FN, T.address_of(fd[0]), kr[tile * 8 + s0],
+                                                            T.cuda.func_call(E4M3_F16X2_FN, ksc[tile] >> T.Cast("uint32", 8 * (s0 // 2)),
+                                                                             source_code=E4M3_F16X2_SRC, return_type="uint32"),
+                                                            source_code=NVFP4_F16X8_SRC))
+                                                        for hk in T.unroll(2):
+                                                            T.evaluate(T.cuda.func_call(
+                                                                MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                                qf[2 * hk + 1], T.uint32(0), fd[2 * hk], fd[2 * hk + 1],
+                                                                source_code=MMA_SRC))
+                                                    else:
+                                                        for hk in T.unroll(2):
+                                                            T.evaluate(T.cuda.func_call(
+                                                                MMA_FN, T.address_of(sc[tile * 4]), qf[2 * hk], T.uint32(0),
+                                                                qf[2 * hk + 1], T.uint32(0),
+                                                                kr[(tile * NSLAB + s0) * 4 + 2 * hk],
+                                                                kr[(tile * NSLAB + s0) * 4 + 2 * hk + 1], source_code=MMA_SRC))
                                         # -- online softmax of head gid over the 16 positions (4 per lane)
                                         for tile in T.unroll(2):
                                             for r in T.unroll(2):
                                                 sc[tile * 4 + r] = T.Select(
                                                     T.And(gid < G, t0 + bt * 16 + tile * 8 + 2 * tig + r < L),
-                                                    sc[tile * 4 + r] * T.float32(scale2) * _kexp(ksc, tile * 2 + r),
+                                                    sc[tile * 4 + r] * T.float32(scale2) * _kexp(ksc, tile * 2 + r, qf),
                                                     T.float32("-inf"))
                                         quad_running_max(sc, tm, st, 0)
                                         if MMA8:

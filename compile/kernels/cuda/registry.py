@@ -47,6 +47,8 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
+# arches whose nvfp4 attention takes the block-scaled FP4 QK (mma kind::mxf4nvf4: sm_120a, the RTX 50xx cubins)
+FP4_QK_ARCHES = ("sm_120",)
 
 
 def current_arch() -> str:
@@ -99,7 +101,9 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
     mw = p["moe_wgmma"]
     moe_wgmma = (mw["bn"], mw["stages"], mw["rows_per_expert"]) if arch in ARCH_ONLY["moe_wgmma"] else None
     return SimpleNamespace(
-        paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"]),
+        # fp4_qk: nvfp4 pages on sm_120 (sm_120a cubins) compute Q K^T on the block-scaled FP4 tensor cores
+        paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"],
+                                **({"fp4_qk": True} if arch in FP4_QK_ARCHES and kv_dtype == "nvfp4" else {})),
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
         chunked_delta_rule=chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,

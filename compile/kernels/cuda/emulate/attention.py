@@ -149,6 +149,21 @@ def unpack_rows(rows, kv: str, head_dim: int) -> np.ndarray:
     return np.asarray(rows, np.float32)
 
 
+def quantize_q_nvfp4(q) -> np.ndarray:
+    """The fp4_qk kernels' Q as the tensor cores see it (float32, same shape): every row of the last axis (a
+    (token, head) row) quantized to NVFP4 as compile/kernels/cuda/fp4_mma.py's activation quantizer (enc = fp32(2688
+    / amax) capped at 1e38, 1 for a zero row; E4M3 block scales of the 16-blocks x enc, E2M1 codes), then
+    dequantized and multiplied by fp32(1 / enc)."""
+    F = _f()
+    x = np.asarray(q, np.float32)
+    amax = np.where(np.isnan(x), 0, np.abs(x)).max(-1, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        enc = np.where(amax > 0, np.minimum(np.float32(2688.0) / amax, np.float32(1.0e38)), np.float32(1.0))
+    enc = enc.astype(np.float32)
+    codes, scales = F.quantize_nvfp4(x, global_scale=enc)
+    return F.dequantize_nvfp4(codes, scales, x.shape[-1]) * (np.float32(1.0) / enc)
+
+
 def _np_dt(dt: str):
     if dt == "bfloat16":
         import ml_dtypes
@@ -334,10 +349,25 @@ def kernel_funcs(tags=None) -> dict:
     return funcs
 
 
-def emulate_case(m: dict, lib=None, func: str | None = None) -> dict:
+def fp4_kernel_funcs(tags=None) -> dict:
+    """{"f4_<tag>": prim_func}: the sm_120 kernel set's paged attention (fp4_qk: Q K^T on the block-scaled FP4
+    tensor cores) for the nvfp4 FUNCS tags (all of them build; the FP4 QK is in those where fp4_qk_applies)."""
+    from ..registry import kernel_set
+
+    funcs = {}
+    for tag, (geo, dt, kv) in FUNCS.items():
+        if kv == "nvfp4" and (tags is None or tag in tags):
+            f = kernel_set(kv, arch="sm_120").paged_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5)
+            funcs[f"f4_{tag}"] = f.with_attr("global_symbol", f"f4_{tag}")
+    return funcs
+
+
+def emulate_case(m: dict, lib=None, func: str | None = None, q_nvfp4: bool = False) -> dict:
     """Run case `m` through the CPU emulator (lib: an EmuLib holding m's kernel, else one is built);
     {rel_err, tol, pool_bytes_differing, nsplit, ok}. The kernel's split workspaces are the host's
-    allocations, 0xff-filled: a read of a partial result no split wrote shows up as NaN."""
+    allocations, 0xff-filled: a read of a partial result no split wrote shows up as NaN. q_nvfp4 (an fp4_qk
+    kernel): the reference takes Q as quantize_q_nvfp4 gives it; rel_err_q_exact is the error against the
+    unquantized Q's reference."""
     from .. import attention as A
     from .lib import EmuLib
 
@@ -350,6 +380,7 @@ def emulate_case(m: dict, lib=None, func: str | None = None) -> dict:
     pool0 = quant_pool(m) if m["quant"] else plain_pool_np(m)
     ref_pool = write_rows(pool0.copy(), m, pos, tseq, pt, expected_rows(m, k, v))
     ref = reference(m, np.asarray(q, np.float32), ref_pool, pos, tseq, pt)
+    ref_q = reference(m, quantize_q_nvfp4(q), ref_pool, pos, tseq, pt) if q_nvfp4 else ref
     from ..registry import kernel_params
 
     kp = kernel_params()["paged_attention"]
@@ -360,10 +391,13 @@ def emulate_case(m: dict, lib=None, func: str | None = None) -> dict:
     arrays = dict(q=np.ascontiguousarray(q), k=np.ascontiguousarray(k), v=np.ascontiguousarray(v), pos=pos, tseq=tseq,
                   pt=pt, pool=pool, out=out)
     lib(func or m["func"], arrays, dict(layer=LAYER))
-    err = rel_err(out.astype(np.float32), ref)
+    err = rel_err(out.astype(np.float32), ref_q)
     differ = int((pool.view(np.uint8) != ref_pool.view(np.uint8)).sum())
     tol = tolerance(m)
-    return dict(rel_err=err, tol=tol, pool_bytes_differing=differ, nsplit=ns, ok=err <= tol and differ == 0)
+    r = dict(rel_err=err, tol=tol, pool_bytes_differing=differ, nsplit=ns, ok=err <= tol and differ == 0)
+    if q_nvfp4:
+        r["rel_err_q_exact"] = rel_err(out.astype(np.float32), ref)
+    return r
 
 
 def llvm_case(m: dict) -> dict:

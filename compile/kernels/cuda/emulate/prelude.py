@@ -221,6 +221,53 @@ static void ninfer_attn_mma_f16(float* c, unsigned a0, unsigned a1, unsigned a2,
   emu_mma<1>(c, a0, a1, a2, a3, b0, b1);
 }
 static void ninfer_attn_ld16(unsigned* d, const void* p) { memcpy(d, p, 16); }
+static unsigned ninfer_attn_ld4(const void* p) { unsigned r; memcpy(&r, p, 4); return r; }
+// fp4_qk: mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col.f32.e2m1.e2m1.f32.ue4m3
+// (scale byte-id / thread-id 0): D = (A x SFA)(B x SFB) + C with the fragment layouts of
+// compile/kernels/cuda/fp4_mma.py (groupID g = lane >> 2, t = lane & 3): A reg i holds row g + 8 (i & 1), k
+// 8 (t + 4 (i >> 1)) + nibble (lowest k in the lowest nibble); B reg j holds column g, k 8 (t + 4 j) + nibble; SFA
+// of row r comes from lane 4 (r & 7) + (r >> 3), SFB of column n from lane 4 n, byte k / 16 of their scale word;
+// C as m16n8k16. Products of E2M1 x UE4M3 values are exact; the sum is formed in double, added to C in fp32.
+static uint32_t g_mma4[32][32][8];
+static double emu_e2m1(unsigned c) {
+  static const double mag[8] = {0., .5, 1., 1.5, 2., 3., 4., 6.};
+  return (c & 8u) ? -mag[c & 7u] : mag[c & 7u];
+}
+static double emu_ue4m3(unsigned b) {
+  b &= 0x7Fu;
+  if (b == 0x7Fu) return NAN;
+  const unsigned e = b >> 3, m = b & 7u;
+  return e ? ldexp(1.0 + m / 8.0, (int)e - 7) : ldexp((double)m, -9);
+}
+static void ninfer_attn_mma_nvf4(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1,
+                                 unsigned sfa, unsigned sfb) {
+  int w = g_cur >> 5, l = g_cur & 31;
+  uint32_t* me = g_mma4[w][l];
+  me[0] = a0; me[1] = a1; me[2] = a2; me[3] = a3; me[4] = b0; me[5] = b1; me[6] = sfa; me[7] = sfb;
+  emu_bar_wait(1 + w);
+  auto A = [&](int r, int k) {
+    const int word = k >> 3;
+    const unsigned reg = g_mma4[w][4 * (r & 7) + (word & 3)][(r >> 3) + 2 * (word >> 2)];
+    const unsigned sf = g_mma4[w][4 * (r & 7) + (r >> 3)][6];
+    return emu_e2m1((reg >> (4 * (k & 7))) & 15u) * emu_ue4m3(sf >> (8 * (k >> 4)));
+  };
+  auto B = [&](int k, int n) {
+    const int word = k >> 3;
+    const unsigned reg = g_mma4[w][4 * n + (word & 3)][4 + (word >> 2)];
+    const unsigned sf = g_mma4[w][4 * n][7];
+    return emu_e2m1((reg >> (4 * (k & 7))) & 15u) * emu_ue4m3(sf >> (8 * (k >> 4)));
+  };
+  int g = l >> 2, t = l & 3;
+  float d[4];
+  for (int o = 0; o < 4; ++o) {
+    int r = g + 8 * (o >> 1), n = 2 * t + (o & 1);
+    double acc = 0.0;
+    for (int k = 0; k < 64; ++k) acc += A(r, k) * B(k, n);
+    d[o] = c[o] + (float)acc;
+  }
+  emu_bar_wait(1 + w);
+  for (int o = 0; o < 4; ++o) c[o] = d[o];
+}
 #define ninfer_attn_pf_mma_bf16 ninfer_attn_mma_bf16
 #define ninfer_attn_pf_mma_f16 ninfer_attn_mma_f16
 #define ninfer_attn_pf_pack_bf16x2 ninfer_attn_pack_bf16x2
