@@ -15,7 +15,8 @@ acceptance, rollback and re-feed of what a round did not keep, host syncs.
 
 Per row: decode tokens/s per request, aggregate tokens/s, rounds per request, tokens per row-round (all
 rounds) and per drafting round (rounds that re-feed rolled-back tokens without drafting are counted in
-the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation.
+the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation, and
+the round's phases in ms (runtime/stats.py SpecCounters: snapshot, propose, verify, accept, settle, glue).
 """
 from __future__ import annotations
 
@@ -121,6 +122,12 @@ def _measure(eng, prompts, gen: int) -> dict:
                                                        + 1, 3),
                     "rounds_per_request": round(per_req_rounds, 2),
                     "ms_per_round": round(pred_ms / per_req_rounds, 3)})
+    rounds = sp.rounds - before.rounds
+    if rounds:  # where a round's time goes (runtime/stats.py SpecCounters phases), per engine round
+        from ninfer_mlc.runtime.stats import phase_ms
+
+        out["device_rounds"] = sp.device_rounds - before.device_rounds
+        out["phase_ms_per_round"] = phase_ms(sp, rounds, before)
     return out
 
 
@@ -188,3 +195,6 @@ def print_forced(res: dict) -> None:
               f"{r['aggregate_tokens_per_s']:9.1f}  {r.get('tokens_per_round', 1.0):9.2f}  "
               f"{r.get('tokens_per_drafting_round', 1.0):15.2f}  {r.get('ms_per_round', float('nan')):8.2f}  "
               f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}")
+        if r.get("phase_ms_per_round"):
+            print("      ms/round by phase: " + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_round"].items())
+                  + f"  (device rounds {r.get('device_rounds', 0)})")

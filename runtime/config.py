@@ -32,7 +32,9 @@ class EngineConfig:
                                     default_text="auto on CUDA, max-context x max-concurrency on the CPU")
     cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
     device_sampling: str = _f("auto", "sample decode rows inside the library (only token ids cross to the host): "
-                                      "auto = on CUDA when the library carries the sampler, on / off",
+                                      "auto = on CUDA when the library carries the sampler, on / off. "
+                                      "Greedy speculative rounds choose MTP drafts and accept on the device "
+                                      "unless off",
                               choices=("auto", "on", "off"))
     vision: str = _f("auto", "where the vision tower of an image-capable model runs: auto (the model's device), "
                              "cpu (host cores, weights in host RAM, device memory left to KV) or off (images refused)",

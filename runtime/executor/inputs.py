@@ -130,13 +130,19 @@ class StepInputs:
     def hidden(self, h: np.ndarray):
         """Device view of hidden-state rows [n, D] (float32) staged in a persistent buffer."""
         h = np.ascontiguousarray(h, np.float32)
-        held = 0 if self._hidden is None else int(self._hidden.shape[0])
-        if held < h.size:
-            self.generation += 1
-            self._hidden = self.tvm.runtime.empty((max(h.size, 2 * held),), "float32", self.dev)
-        view = self._hidden._create_view(h.shape, "float32", 0)
+        view = self.hidden_view(h.shape)
         view.copyfrom(h)
         return view
+
+    def hidden_view(self, shape: tuple):
+        """The persistent hidden-state buffer as a float32 view of `shape` (filled by the caller: from the host,
+        or on the device from the previous MTP step's output)."""
+        size = int(np.prod(shape))
+        held = 0 if self._hidden is None else int(self._hidden.shape[0])
+        if held < size:
+            self.generation += 1
+            self._hidden = self.tvm.runtime.empty((max(size, 2 * held),), "float32", self.dev)
+        return self._hidden._create_view(tuple(int(x) for x in shape), "float32", 0)
 
     def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int] | np.ndarray],
                out_rows: Optional[np.ndarray] = None,

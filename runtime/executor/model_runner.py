@@ -324,7 +324,7 @@ class ModelRunner:
         rows = (np.cumsum(lens) - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
         out = self.vm[self._hidden_fn("prefill_h", taps)](*args, rows_view, *self._pools())
-        return list(self._cut(out[0].numpy())), self._split_rows(out[1], cu, taps)
+        return list(self._cut(out[0].numpy())), self.split_rows(out[1], cu, taps)
 
     def _ragged_graphs(self) -> None:
         """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
@@ -341,6 +341,18 @@ class ModelRunner:
         On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats.
         taps: the tap layers' outputs instead of the final hidden (DeviceRows: verify_t). Replayed, they
         are the graph's output buffer, which the next replay of that shape overwrites: consume them first."""
+        out, cu = self._verify_call(batch, taps)
+        logits = self._cut(out[0].numpy())
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self.split_rows(out[1], cu, taps)
+
+    def verify_device(self, batch, taps: bool = False) -> tuple[Any, np.ndarray, list]:
+        """verify whose logits stay on the device: (the library's [rows, vocab_size] logits tensor, uncut, for
+        the device sampler; valid until the next verify of that shape; cu_seqlens; the hidden / taps output tensor,
+        which split_rows cuts per sequence as verify does: read it after queueing what consumes the logits)."""
+        out, cu = self._verify_call(batch, taps)
+        return out[0], cu, out[1]
+
+    def _verify_call(self, batch, taps: bool):
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
@@ -351,11 +363,8 @@ class ModelRunner:
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
         if graphs is not None:
             self._ragged_graphs()
-            out = graphs(args, self._pools())
-        else:
-            out = self.vm[name](*args, *self._pools())
-        logits = self._cut(out[0].numpy())
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self._split_rows(out[1], cu, taps)
+            return graphs(args, self._pools()), cu
+        return self.vm[name](*args, *self._pools()), cu
 
     def _hidden_fn(self, name: str, taps: bool) -> str:
         if not taps:
@@ -366,7 +375,7 @@ class ModelRunner:
         return {"prefill_h": "prefill_t", "verify": "verify_t"}[name]
 
     @staticmethod
-    def _split_rows(hidden, cu, taps: bool) -> list:
+    def split_rows(hidden, cu, taps: bool) -> list:
         """Per-sequence rows of a [n, W] output: host arrays, or device row views for taps."""
         rows = DeviceRows(hidden) if taps else hidden.numpy()
         return [rows[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
@@ -379,10 +388,13 @@ class ModelRunner:
                 raise ValueError(f"MTP position {top} lies beyond the sequence's reserved pages")
 
     def mtp_prefill(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]],
-                    shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+                    shortlist: Optional[np.ndarray] = None, on_device: bool = False) -> tuple[Any, Any]:
         """MTP rows for [(seq, hidden [m, D], next_tokens [m], first position)]: row j pairs the main hidden
         at position p + j with the token at p + j + 1 and writes the head's KV at p + j. Returns the logits
-        ([b, V], or [b, len(shortlist)]) and output hidden [b, D] of each item's last row."""
+        ([b, V], or [b, len(shortlist)]) and output hidden [b, D] of each item's last row (on_device: the
+        library's output tensors, logits uncut, for a draft chain that stays on the device; no shortlist)."""
+        if on_device and shortlist is not None:
+            raise ValueError("a shortlisted MTP head returns shortlist columns; the device chain needs the full vocabulary")
         seqs = [s for s, _, _, _ in items]
         lens = [len(h) for _, h, _, _ in items]
         if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
@@ -401,6 +413,8 @@ class ModelRunner:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
         out = self.vm["mtp_prefill"](*ragged, rows_view, self.mtp_kv_pool, self.params)
+        if on_device:
+            return out[0], out[1]
         return self._cut(out[0].numpy()), out[1].numpy()
 
     def mtp_step(self, seqs: Sequence[SeqLike], hidden: np.ndarray, tokens, positions,
@@ -423,3 +437,24 @@ class ModelRunner:
                 out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
+
+    def mtp_step_device(self, seqs: Sequence[SeqLike], hidden, tokens, positions) -> tuple[Any, Any]:
+        """mtp_step over device inputs: the previous step's output hidden ([b, D] float32) and the drafts the
+        device chose ([b] int32) are copied on the device into the step's input buffers, so nothing crosses to
+        the host. Returns the (logits [b, vocab_size] uncut, hidden [b, D]) device tensors, valid until the
+        next MTP step (a replay's outputs are its graph's buffers)."""
+        self._check_mtp(seqs, list(positions))
+        graphs = self.mtp_graphs
+        assert self.inputs is not None  # allocate() made the input buffers
+        args, _, _ = self.inputs.ragged(seqs, [[0]] * len(seqs), starts=list(positions),
+                                        width_of=page_width_bucket if graphs is not None else None)
+        tokens.copyto(args[0])  # after the staged upload, in stream order: the device's drafts
+        h = self.inputs.hidden_view(tuple(int(x) for x in hidden.shape))
+        hidden.copyto(h)
+        ragged = [h] + args[:3] + [args[4]]
+        if graphs is not None:
+            self._ragged_graphs()
+            out = graphs(ragged, [self.mtp_kv_pool, self.params])
+        else:
+            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
+        return out[0], out[1]
