@@ -241,7 +241,7 @@ class SpeculativeDecoder:
             if _wants_logprobs(w.req):
                 lp_rows[cu[i] + len(self._record(w.req).refed): cu[i + 1]] = True
         assert self.argmax is not None  # _device_round checked it
-        out = self.argmax.run(logits, lp_rows if lp_rows.any() else None)
+        out = self.argmax.run(logits, lp_rows.tolist() if lp_rows.any() else None)
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
         target = out[0].numpy()
