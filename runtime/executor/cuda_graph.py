@@ -113,12 +113,14 @@ class GraphedFunction:
     def key_of(inputs) -> tuple:
         return tuple(tuple(a.shape) for a in inputs)
 
-    def __call__(self, inputs: list, persistent: list):
+    def __call__(self, inputs: list, persistent: list, wait: bool = True):
+        """wait=False: a replay returns once launched (its stream is a blocking one, so TVM's later work on the
+        legacy default stream, e.g. reading the outputs, runs after it); for chains of device calls."""
         key = self.key_of(inputs)
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)
-            self._launch(entry)
+            self._launch(entry, wait)
             self.stats["replays"] += 1
             return entry.outputs
         if key in self._seen and key not in self._eager_only:
@@ -129,9 +131,10 @@ class GraphedFunction:
         self.stats["eager"] += 1
         return self.func(*inputs, *persistent)
 
-    def _launch(self, entry: _Entry) -> None:
+    def _launch(self, entry: _Entry, wait: bool = True) -> None:
         self.drv.call("cuGraphLaunch", entry.exec, self.stream)
-        self.drv.call("cuStreamSynchronize", self.stream)
+        if wait:
+            self.drv.call("cuStreamSynchronize", self.stream)
 
     def _prepare_capture_thread(self) -> None:
         """On the capture thread: make TVM's context current there and grow its workspace pool."""

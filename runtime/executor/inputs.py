@@ -41,6 +41,10 @@ class _Buffer:
     def capacity(self) -> int:
         return self.host.size
 
+    def view(self, shape: tuple, offset: int = 0):
+        """Device view of `shape` at element `offset`, without a copy (filled on the device)."""
+        return self.dev._create_view(tuple(int(x) for x in shape), "int32", 4 * int(offset))
+
     def upload(self, shape: tuple):
         """Device view of the first prod(shape) staged values (copied now)."""
         n = int(np.prod(shape))
@@ -183,3 +187,68 @@ class StepInputs:
     def tensor(self, a, dtype: str = "int32"):
         """A one-off device tensor (rare arguments: MTP positions, shortlists)."""
         return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=dtype), self.dev)
+
+
+class ChainInputs:
+    """Fixed-address inputs of a chain of one-row-per-sequence MTP steps that run back to back on the device.
+
+    Everything a chain's steps differ in is staged before its first step: the positions of every step (a
+    [steps, b] table, one host->device copy), the page table and row ids; a step then only copies on the
+    device: its positions row, the previous step's drafts and output hidden. TVM's host->device copies wait
+    for the device, so staging between steps would stall the chain; these copies do not. The buffers never
+    move once sized for (max_batch, steps, D), so graphs over them stay valid (`generation` counts moves)."""
+
+    def __init__(self, tvm, dev, max_batch: int, max_pages: int):
+        self.tvm, self.dev = tvm, dev
+        self.max_batch, self.max_pages = max_batch, max_pages
+        self.generation = 0
+        self.steps = self.width = 0
+        self.rows = PageTableRows(max_batch, max_pages)
+        self.pages = _Buffer(tvm, dev, max_batch * max_pages)
+        self.seq = _Buffer(tvm, dev, max_batch)
+        self.tokens = _Buffer(tvm, dev, max_batch)
+        self.positions = _Buffer(tvm, dev, max_batch)
+        self.table: Any = None  # [steps, b] int32 positions of every step
+        self.drafts: Any = None  # [steps + 1, b] int32: each step's drafts, copied out of the sampler's outputs
+        self.hidden: Any = None  # [max_batch, D] float32
+        self._b = 0
+
+    def stage(self, seqs: Sequence[SeqLike], first: Sequence[int], steps: int, width_of=None) -> list:
+        """Stage a chain of `steps` steps whose step j puts row i at position first[i] + j; returns the step's
+        input views [hidden, tokens, positions, token_seq, page_table] (mtp_step's order, no cu_seqlens)."""
+        b = len(seqs)
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"a chain takes 1..{self.max_batch} sequences, got {b}")
+        if self.table is None or steps > self.steps:
+            self.steps = max(steps, 8)
+            self.table = self.tvm.runtime.empty((self.steps * self.max_batch,), "int32", self.dev)
+            self.drafts = self.tvm.runtime.empty(((self.steps + 1) * self.max_batch,), "int32", self.dev)
+            self.generation += 1
+        if steps:
+            table = np.asarray(first, np.int32)[None, :] + np.arange(steps, dtype=np.int32)[:, None]
+            self.table._create_view((steps * b,), "int32", 0).copyfrom(np.ascontiguousarray(table).reshape(-1))
+        self._b = b
+        self.seq.host[:b] = np.arange(b, dtype=np.int32)
+        width = self.rows.fill(seqs)
+        if width_of is not None:
+            width = min(width_of(width), self.max_pages)
+        return [None, self.tokens.view((b,)), self.positions.view((b,)), self.seq.upload((b,)),
+                StepInputs._stage_table(self.rows, self.pages, b, width)]
+
+    def hidden_view(self, b: int, d: int):
+        if self.hidden is None or int(self.hidden.shape[1]) != d:
+            self.hidden = self.tvm.runtime.empty((self.max_batch, d), "float32", self.dev)
+            self.generation += 1
+        return self.hidden._create_view((b, d), "float32", 0)
+
+    def positions_row(self, j: int):
+        """Device view of step j's positions (staged by `stage`)."""
+        return self.table._create_view((self._b,), "int32", j * self._b * 4)
+
+    def drafts_row(self, j: int):
+        """Device view of the chain's j-th drafts [b] (j = 0: the drafts of the prefill that starts the chain)."""
+        return self.drafts._create_view((self._b,), "int32", j * self._b * 4)
+
+    def drafts_rows(self, n: int):
+        """The first n rows of drafts as one [n, b] view (read once, after the round's verify)."""
+        return self.drafts._create_view((n, self._b), "int32", 0)

@@ -18,7 +18,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
-from .inputs import SeqLike, StepInputs
+from .inputs import ChainInputs, SeqLike, StepInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
@@ -76,6 +76,9 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
+        self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (mtp_draft_chain)
+        self.mtp_chain_graphs: Optional[GraphedFunction] = None  # mtp_step over those inputs
+        self._chain_generation = 0
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
         self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
@@ -147,6 +150,7 @@ class ModelRunner:
             self._zero_pool(self.mtp_kv_pool, lay.mtp_page, self._np_kv)  # a position the head never wrote reads finite values
         max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
+        self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
             if self.has_verify:
@@ -155,6 +159,7 @@ class ModelRunner:
                 self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
             if self.has_mtp:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+                self.mtp_chain_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
         self._graph_generation = self.inputs.generation
 
     def zero_kv(self) -> None:
@@ -345,14 +350,17 @@ class ModelRunner:
         logits = self._cut(out[0].numpy())
         return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self.split_rows(out[1], cu, taps)
 
-    def verify_device(self, batch, taps: bool = False) -> tuple[Any, np.ndarray, list]:
+    def verify_device(self, batch, taps: bool = False, drafts=None) -> tuple[Any, np.ndarray, Any]:
         """verify whose logits stay on the device: (the library's [rows, vocab_size] logits tensor, uncut, for
         the device sampler; valid until the next verify of that shape; cu_seqlens; the hidden / taps output tensor,
-        which split_rows cuts per sequence as verify does: read it after queueing what consumes the logits)."""
-        out, cu = self._verify_call(batch, taps)
+        which split_rows cuts per sequence as verify does: read it after queueing what consumes the logits).
+        drafts: (rows [n, b] device int32, [(chain row, index of its first draft in the call's tokens)]): tokens
+        the device chose (mtp_draft_chain), copied on the device over the placeholders `batch` holds there.
+        The graph replay is not waited for: reading any output waits for it."""
+        out, cu = self._verify_call(batch, taps, drafts, wait=False)
         return out[0], cu, out[1]
 
-    def _verify_call(self, batch, taps: bool):
+    def _verify_call(self, batch, taps: bool, drafts=None, wait: bool = True):
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
@@ -361,9 +369,15 @@ class ModelRunner:
         graphs = self.verify_t_graphs if taps else self.verify_graphs
         assert self.inputs is not None  # allocate() made the input buffers
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        if drafts is not None:
+            rows, where = drafts
+            b = int(rows.shape[1])
+            for j in range(int(rows.shape[0])):
+                for r, at in where:
+                    rows._create_view((1,), "int32", 4 * (j * b + r)).copyto(self.inputs.r_tokens.view((1,), at + j))
         if graphs is not None:
             self._ragged_graphs()
-            return graphs(args, self._pools()), cu
+            return graphs(args, self._pools(), wait=wait), cu
         return self.vm[name](*args, *self._pools()), cu
 
     def _hidden_fn(self, name: str, taps: bool) -> str:
@@ -438,23 +452,37 @@ class ModelRunner:
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
 
-    def mtp_step_device(self, seqs: Sequence[SeqLike], hidden, tokens, positions) -> tuple[Any, Any]:
-        """mtp_step over device inputs: the previous step's output hidden ([b, D] float32) and the drafts the
-        device chose ([b] int32) are copied on the device into the step's input buffers, so nothing crosses to
-        the host. Returns the (logits [b, vocab_size] uncut, hidden [b, D]) device tensors, valid until the
-        next MTP step (a replay's outputs are its graph's buffers)."""
-        self._check_mtp(seqs, list(positions))
-        graphs = self.mtp_graphs
-        assert self.inputs is not None  # allocate() made the input buffers
-        args, _, _ = self.inputs.ragged(seqs, [[0]] * len(seqs), starts=list(positions),
-                                        width_of=page_width_bucket if graphs is not None else None)
-        tokens.copyto(args[0])  # after the staged upload, in stream order: the device's drafts
-        h = self.inputs.hidden_view(tuple(int(x) for x in hidden.shape))
-        hidden.copyto(h)
-        ragged = [h] + args[:3] + [args[4]]
-        if graphs is not None:
-            self._ragged_graphs()
-            out = graphs(ragged, [self.mtp_kv_pool, self.params])
-        else:
-            out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
-        return out[0], out[1]
+    def mtp_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int, choose):
+        """A round's MTP drafts with the whole chain on the device: mtp_prefill over items (as mtp_prefill's:
+        the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s putting each
+        row at the position after the previous one. choose(logits) -> [b] int32 device tensor picks a step's
+        drafts (spec/device_round.py DeviceArgmax); they and the step's output hidden feed the next step by
+        device copies. Everything is staged before the first launch and nothing is read back, so the steps run
+        back to back. Returns the [steps, b] drafts view (valid until the next chain)."""
+        if not self.has_mtp or self.chain is None:
+            raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
+        seqs = [s for s, _, _, _ in items]
+        first = [p + len(h) for _, h, _, p in items]  # the first chained step's positions
+        if steps > 1:
+            self._check_mtp(seqs, [f + steps - 2 for f in first])
+        chain, graphs = self.chain, self.mtp_chain_graphs
+        args = chain.stage(seqs, first, steps - 1, width_of=page_width_bucket if graphs is not None else None)
+        logits, hid = self.mtp_prefill(items, on_device=True)
+        # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
+        choose(logits).copyto(chain.drafts_row(0))
+        h_in = chain.hidden_view(len(seqs), int(hid.shape[1]))
+        if graphs is not None and chain.generation != self._chain_generation:
+            graphs.reset()  # the chain's buffers moved
+            self._chain_generation = chain.generation
+        for s in range(steps - 1):
+            chain.drafts_row(s).copyto(args[1])
+            chain.positions_row(s).copyto(args[2])
+            hid.copyto(h_in)
+            step = [h_in] + args[1:]
+            if graphs is not None:
+                out = graphs(step, [self.mtp_kv_pool, self.params], wait=False)
+            else:
+                out = self.vm["mtp_step"](*step, self.mtp_kv_pool, self.params)
+            hid = out[1]
+            choose(out[0]).copyto(chain.drafts_row(s + 1))
+        return chain.drafts_rows(steps)

@@ -175,13 +175,12 @@ class SpeculativeDecoder:
         c.snapshot_s += t - t_round
         on_device = self._device_round(work)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
-        if drafting:
-            self._propose(drafting, on_device)
+        device_drafts = self._propose(drafting, on_device) if drafting else None
         t, t0 = time.perf_counter(), t
         c.propose_s += t - t0
         batch = [(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work]
         if on_device:
-            results = self._verify_accept_device(work, batch, t)
+            results = self._verify_accept_device(work, batch, t, device_drafts, drafting)
         else:
             logits, hidden = self.runner.verify(batch, **self.hidden_kw)
             t, t0 = time.perf_counter(), t
@@ -215,27 +214,39 @@ class SpeculativeDecoder:
                 return False
         return True
 
-    def _propose(self, drafting: list, on_device: bool) -> None:
-        drafts = None
+    def _propose(self, drafting: list, on_device: bool):
+        """Drafts into every drafting row's record; returns the device drafts ([k, rows]) when the proposer chose
+        them on the device (the records then hold k placeholders, replaced once the round reads the device)."""
         propose_device = getattr(self.proposer, "propose_device", None)
         if on_device and propose_device is not None:
-            drafts = propose_device(drafting, self.argmax)
-            if drafts is not None:
-                for (_, st, _), d in zip(drafting, drafts):
-                    st.qs = [None] * len(d)  # greedy: no draft distributions
-        if drafts is None:
-            drafts = self.proposer.propose(drafting, self._choose)
-            for (req, _, _), d in zip(drafting, drafts):
-                req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
-        for (_, st, _), d in zip(drafting, drafts):
+            rows = propose_device(drafting, self.argmax)
+            if rows is not None:
+                for _, st, k in drafting:
+                    assert st.round is not None  # opened for every row
+                    st.round.drafts, st.qs = [0] * k, [None] * k  # greedy: no draft distributions
+                return rows
+        drafts = self.proposer.propose(drafting, self._choose)
+        for (req, st, _), d in zip(drafting, drafts):
+            req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
             assert st.round is not None  # opened for every row
             st.round.drafts = d
+        return None
 
-    def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float) -> dict[int, RowResult]:
-        """The verify, then the target's argmax of every row (and the logprobs rows ask for) on the device;
-        the ids are the round's one read of the device (its verify kernels finish inside it: accept_s)."""
+    def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float, device_drafts,
+                              drafting: list) -> dict[int, RowResult]:
+        """The verify (over the device's drafts, copied there), then the target's argmax of every row (and the
+        logprobs rows ask for) on the device; the ids are the round's one read of the device, the drafts come
+        with it (the chain's and verify's kernels finish inside it: accept_s)."""
         c = self.counters
-        logits, cu, hid = self.runner.verify_device(batch, **self.hidden_kw)
+        where = None
+        if device_drafts is not None:  # (chain row, index of its first draft among the verify's tokens)
+            first, at = {}, 0
+            for w, (_, toks) in zip(work, batch):
+                first[w.req.rid] = at + len(w.feed)
+                at += len(toks)
+            where = [(r, first[req.rid]) for r, (req, _, _) in enumerate(drafting)]
+        logits, cu, hid = self.runner.verify_device(batch, drafts=None if where is None else (device_drafts, where),
+                                                    **self.hidden_kw)
         lp_rows = np.zeros(int(cu[-1]), bool)
         for i, w in enumerate(work):
             if _wants_logprobs(w.req):
@@ -245,6 +256,10 @@ class SpeculativeDecoder:
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
         target = out[0].numpy()
+        if device_drafts is not None:
+            cols = device_drafts.numpy()
+            for r, (_, st, _) in enumerate(drafting):
+                st.round.drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
         results = {}
         for i, (w, hd) in enumerate(zip(work, hidden)):

@@ -114,29 +114,22 @@ class MTPProposer:
                 drafts[i].append(choose(items[i][0], logits[r], j))
         return drafts
 
-    def propose_device(self, items, argmax) -> Optional[list[list[int]]]:
-        """propose() for plainly greedy rows with the chain on the device: each step's drafts are the device's
-        argmax (spec/device_round.py DeviceArgmax) and feed the next step together with its output hidden by
-        device copies; the drafts cross to the host once, after the last step. None when the chain cannot run
-        there (a shortlisted head, or rows with different draft counts): propose() then."""
+    def propose_device(self, items, argmax):
+        """propose() for plainly greedy rows with the chain on the device (runner.mtp_draft_chain): each step's
+        drafts are the device's argmax (spec/device_round.py DeviceArgmax) and feed the next step there; nothing
+        is read back. Returns the [k, rows] device drafts for the verify to consume, or None when the chain
+        cannot run there (a shortlisted head, or rows with different draft counts): propose() then."""
         ks = {k for _, _, k in items}
         if self.shortlist is not None or len(ks) != 1:
             return None
         k = ks.pop()
         known = [req.all_tokens() for req, _, _ in items]
-        logits, hid = self.runner.mtp_prefill(
+        rows = self.runner.mtp_draft_chain(
             [(req.seq, st.mtp_hidden, kn[st.mtp_pos + 1: st.mtp_pos + 1 + len(st.mtp_hidden)], st.mtp_pos)
-             for (req, st, _), kn in zip(items, known)], on_device=True)
+             for (req, st, _), kn in zip(items, known)], k, lambda logits: argmax.run(logits)[0])
         for req, st, _ in items:
             st.mtp_pos, st.mtp_hidden = pending_position(req, st), None
-        steps = [argmax.run(logits)[0]]
-        seqs = [req.seq for req, _, _ in items]
-        base = [pending_position(req, st) for req, st, _ in items]
-        for j in range(1, k):  # draft j + 1: the head's own hidden paired with draft j, at position C + j - 1
-            logits, hid = self.runner.mtp_step_device(seqs, hid, steps[-1], [p + j - 1 for p in base])
-            steps.append(argmax.run(logits)[0])
-        cols = np.stack([t.numpy() for t in steps], axis=1)  # [b, k]: the first read waits for the chain
-        return [[int(x) for x in row] for row in cols]
+        return rows
 
     def after_verify(self, req, st: SpecState, hidden: np.ndarray, kept: int, k: int, start: int) -> None:
         self._add_rows(st, start, hidden[: kept + 1])
