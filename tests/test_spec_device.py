@@ -55,7 +55,7 @@ def test_device_argmax_matches_host(runner):
     dev = runner.tvm.runtime.tensor(logits, runner.dev)
     out = am.run(dev, [False, True, False, True, True])
     assert out[0].numpy().tolist() == np.argmax(logits, 1).tolist()
-    lps = DeviceArgmax.logprobs_of(out, [1, 3], [3, 0])
+    lps = DeviceArgmax.logprobs_of(DeviceArgmax.read_logprobs(out), [1, 3], [3, 0])
     for lp, r, n_top in zip(lps, [1, 3], [3, 0]):
         ref = log_softmax_top(logits[r], int(np.argmax(logits[r])), n_top)
         assert lp.token_id == ref.token_id and lp.rank == ref.rank == 1
@@ -90,6 +90,7 @@ def test_greedy_plain():
     assert greedy_plain(_row())
     assert not greedy_plain(_row(), grammar=object())
     assert not greedy_plain(_row(logit_bias={3: 1.0}))
+    assert not greedy_plain(_row(frequency_penalty=0.5))  # no counts yet, but the round's own tokens add some
     assert not greedy_plain(RowState(SamplingParams(temperature=0.7)))
 
 

@@ -261,6 +261,7 @@ class SpeculativeDecoder:
             for r, (_, st, _) in enumerate(drafting):
                 st.round.drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
+        lp_host = DeviceArgmax.read_logprobs(out) if lp_rows.any() else None
         results = {}
         for i, (w, hd) in enumerate(zip(work, hidden)):
             req, st = w.req, self.state(w.req)
@@ -274,9 +275,9 @@ class SpeculativeDecoder:
             else:
                 rd.out, n_acc = accept_argmax(req.row, tg, rd.drafts)
             lps: list = [None] * len(rd.out)
-            if _wants_logprobs(req):  # the emitted tokens are the argmax of their rows
+            if lp_host is not None and _wants_logprobs(req):  # the emitted tokens are the argmax of their rows
                 first = int(cu[i]) + n_re
-                lps = DeviceArgmax.logprobs_of(out, range(first, first + len(rd.out)),
+                lps = DeviceArgmax.logprobs_of(lp_host, range(first, first + len(rd.out)),
                                                [req.params.top_logprobs] * len(rd.out))
             results[req.rid] = RowResult(list(rd.out), lps, fed=len(w.feed) + len(rd.drafts),
                                          drafted=len(rd.drafts), accepted=n_acc)

@@ -21,8 +21,11 @@ from ..sampling import RowState, TokenLogprobs, needs_logit_edit
 
 
 def greedy_plain(row: RowState, grammar: Any = None) -> bool:
-    """The row's next token is the plain argmax of the logits (what the device choice computes)."""
-    return grammar is None and row.params.temperature == 0 and not needs_logit_edit(row.params, row)
+    """Every token of the row's round is the plain argmax of its logits (what the device choice computes): greedy,
+    no grammar, and no logit edit now or once the round's tokens join the history (penalties count them)."""
+    p = row.params
+    return (grammar is None and p.temperature == 0 and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not needs_logit_edit(p, row))
 
 
 class DeviceArgmax:
@@ -88,9 +91,14 @@ class DeviceArgmax:
         return self._fn(logits, self._params(n, lp), self._mask_rows(n), self.counts, self.prompt, self.bias)
 
     @staticmethod
-    def logprobs_of(out, rows: Sequence[int], n_top: Sequence[int]) -> list[TokenLogprobs]:
-        """TokenLogprobs of the given rows of a run() with logprobs (host copies: after the round's sync)."""
-        tokens, tok_lp, rank, top_ids, top_lp = (o.numpy() for o in out[:5])
+    def read_logprobs(out) -> tuple:
+        """Host copies of a run()'s (tokens, token_logprob, rank, top_ids, top_logprobs), for logprobs_of."""
+        return tuple(o.numpy() for o in out[:5])
+
+    @staticmethod
+    def logprobs_of(host: tuple, rows: Sequence[int], n_top: Sequence[int]) -> list[TokenLogprobs]:
+        """TokenLogprobs of the given rows of a run() with logprobs (host: read_logprobs of it)."""
+        tokens, tok_lp, rank, top_ids, top_lp = host
         res = []
         for r, k in zip(rows, n_top):
             k = min(int(k), top_ids.shape[1])
