@@ -176,6 +176,9 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
             finally:
                 eng.stop()
             toks = row.pop("tokens")
+            # CUDA-graph counters so far (cumulative over the runs): replays vs eager calls of the round's functions
+            row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs")
+                             if (g := getattr(runner, n, None)) is not None}
             if sampling == "auto":
                 device_tokens[(spec, forced, b)] = toks
             elif (spec, forced, b) in device_tokens:

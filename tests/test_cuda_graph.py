@@ -131,6 +131,9 @@ def test_replay_without_wait_launches_only(graphed):
     assert g.drv.lib.calls[-1][0] == "launch" and getattr(g.drv.lib, "syncs", 0) == before
     g(a, [])
     assert g.drv.lib.syncs == before + 1
+    eager = g.stats["eager"]
+    g(a, [], tag="chain")  # same shapes, other input buffers: a key of its own (eager first)
+    assert g.stats["eager"] == eager + 1
 
 
 def test_capture_failure_falls_back_to_eager_for_good(graphed):

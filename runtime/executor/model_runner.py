@@ -77,7 +77,6 @@ class ModelRunner:
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
         self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (mtp_draft_chain)
-        self.mtp_chain_graphs: Optional[GraphedFunction] = None  # mtp_step over those inputs
         self._chain_generation = 0
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
@@ -159,7 +158,6 @@ class ModelRunner:
                 self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
             if self.has_mtp:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
-                self.mtp_chain_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
         self._graph_generation = self.inputs.generation
 
     def zero_kv(self) -> None:
@@ -465,14 +463,14 @@ class ModelRunner:
         first = [p + len(h) for _, h, _, p in items]  # the first chained step's positions
         if steps > 1:
             self._check_mtp(seqs, [f + steps - 2 for f in first])
-        chain, graphs = self.chain, self.mtp_chain_graphs
+        chain, graphs = self.chain, self.mtp_graphs  # its graphs under the tag "chain" (other input buffers)
         args = chain.stage(seqs, first, steps - 1, width_of=page_width_bucket if graphs is not None else None)
         logits, hid = self.mtp_prefill(items, on_device=True)
         # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
         choose(logits).copyto(chain.drafts_row(0))
         h_in = chain.hidden_view(len(seqs), int(hid.shape[1]))
         if graphs is not None and chain.generation != self._chain_generation:
-            graphs.reset()  # the chain's buffers moved
+            graphs.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
             self._chain_generation = chain.generation
         for s in range(steps - 1):
             chain.drafts_row(s).copyto(args[1])
@@ -480,7 +478,7 @@ class ModelRunner:
             hid.copyto(h_in)
             step = [h_in] + args[1:]
             if graphs is not None:
-                out = graphs(step, [self.mtp_kv_pool, self.params], wait=False)
+                out = graphs(step, [self.mtp_kv_pool, self.params], wait=False, tag="chain")
             else:
                 out = self.vm["mtp_step"](*step, self.mtp_kv_pool, self.params)
             hid = out[1]
