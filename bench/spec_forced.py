@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -131,10 +132,13 @@ def _measure(eng, prompts, gen: int) -> dict:
 
 
 def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches: list[int], deadline: float,
-               device: str = "auto", log=print, save=lambda: None, host_check: bool = True) -> dict:
+               device: str = "auto", log=print, save=lambda: None, host_check: bool = True,
+               refeed_max: Optional[int] = None) -> dict:
     """host_check: every speculative row is run again with its rounds on the host (device_sampling off: the
     host-side rounds, for comparison) and the two outputs compared (device_matches_host: forced rows keep the
-    device-chosen drafts and the target's argmax, so any difference is a device-round bug)."""
+    device-chosen drafts and the target's argmax, so any difference is a device-round bug).
+    refeed_max: also run every speculative profile with this re-feed bound (EngineConfig.spec_refeed_max; rows
+    labelled "refeed N"): rounds that keep drafting after rejections, at the cost of longer verifies."""
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
 
@@ -158,13 +162,16 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, runner.sample_vocab, (b_max, ctx)).tolist()
     plain = {}
-    runs = [(label, spec, k, forced, "auto") for label, spec, k, forced in PROFILES]
+    runs = [(label, spec, k, forced, "auto", None) for label, spec, k, forced in PROFILES]
     if host_check:  # after every device-round run: the same profile with host rounds
-        runs = [r for x in runs for r in ([x] if x[1] == "none" else [x, (x[0] + " host", *x[1:4], "off")])]
+        runs = [r for x in runs for r in ([x] if x[1] == "none" else [x, (x[0] + " host", *x[1:4], "off", None)])]
+    if refeed_max is not None:
+        runs += [(f"{label} refeed {refeed_max}", spec, k, forced, "auto", refeed_max)
+                 for label, spec, k, forced in PROFILES if spec != "none"]
     device_tokens = {}
-    for label, spec, k, forced, sampling in runs:
+    for label, spec, k, forced, sampling, refeed in runs:
         pc = replace(cfg, spec=spec, draft_tokens=max(k, 1), forced_acceptance=forced, device_sampling=sampling,
-                     draft_model=str(drafter_dir) if spec == "dflash2" else None)
+                     spec_refeed_max=refeed, draft_model=str(drafter_dir) if spec == "dflash2" else None)
         for b in batches:
             if time.time() > deadline:
                 res["skipped"].append({"profile": label, "batch": b})
@@ -179,7 +186,9 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
             # CUDA-graph counters so far (cumulative over the runs): replays vs eager calls of the round's functions
             row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs")
                              if (g := getattr(runner, n, None)) is not None}
-            if sampling == "auto":
+            if refeed is not None:
+                pass  # another round structure: forced rows keep other tokens
+            elif sampling == "auto":
                 device_tokens[(spec, forced, b)] = toks
             elif (spec, forced, b) in device_tokens:
                 row["device_matches_host"] = device_tokens[(spec, forced, b)] == toks
@@ -204,9 +213,9 @@ def print_forced(res: dict) -> None:
     print(f"\n(c) forced acceptance through the engine ({res['target']}, ctx {res['ctx']}, {res['gen']} greedy tokens"
           f"{', RANDOM weights' if res.get('random_weights') else ''}): FORCED profiles, not the model's acceptance")
     print("  profile (\"host\": rounds on the host, device_sampling off)")
-    print("  profile               b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
+    print("  profile                   b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
     for r in res["rows"]:
-        print(f"  {r['profile']:20s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
+        print(f"  {r['profile']:24s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
               f"{r['aggregate_tokens_per_s']:9.1f}  {r.get('tokens_per_round', 1.0):9.2f}  "
               f"{r.get('tokens_per_drafting_round', 1.0):15.2f}  {r.get('ms_per_round', float('nan')):8.2f}  "
               f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}"

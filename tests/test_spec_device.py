@@ -6,7 +6,8 @@ the same compiled `sample` function CUDA runs):
 * greedy acceptance over device argmax ids keeps exactly what accept() keeps over host logits;
 * the MTP chain on the device proposes the drafts the host chain proposes;
 * through the engine: greedy MTP output is identical with device rounds on and off, forced-acceptance rounds
-  emit the same tokens on both paths, and the per-phase round timings reach stats.
+  emit the same tokens on both paths, and the per-phase round timings reach stats;
+* a larger re-feed bound (spec_refeed_max) keeps rows drafting after rejections and stays lossless.
 The lossless comparison against no speculation (device rounds on by default) is tests/test_spec_decode.py.
 """
 from __future__ import annotations
@@ -143,3 +144,15 @@ def test_device_rounds_match_host_rounds(prompts, forced):
     assert set(phases) == set(PHASES) | {"glue", "total"}
     assert all(phases[p] >= 0 for p in PHASES) and phases["verify"] + phases["accept"] > 0
     assert phases["total"] >= phases["verify"] + phases["accept"]
+
+
+def test_refeed_bound(prompts):
+    """A larger re-feed bound keeps rows drafting after rejections (forced 3.18: every round drafts) and stays
+    lossless."""
+    base, _ = _generate(prompts)
+    wide, st = _generate(prompts, spec_refeed_max=12)
+    assert wide == base
+    _, narrow = _generate(prompts, forced_acceptance=3.18)
+    _, widef = _generate(prompts, forced_acceptance=3.18, spec_refeed_max=12)
+    assert narrow.spec.no_draft_rounds > 0 and widef.spec.no_draft_rounds < narrow.spec.no_draft_rounds
+    assert widef.spec.tokens_per_round > narrow.spec.tokens_per_round

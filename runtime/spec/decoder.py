@@ -59,10 +59,14 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
 class SpeculativeDecoder:
     def __init__(self, runner: ModelRunner, kv: KVManager, proposer: Proposer, draft_tokens: int,
                  sampler: Sampler, counters: SpecCounters, forced_acceptance: Optional[float] = None,
-                 device_rounds: bool = True):
+                 device_rounds: bool = True, refeed_max: Optional[int] = None):
         """forced_acceptance: BENCHMARK ONLY, tokens per round to force (spec/forced.py); None = lossless.
         device_rounds: plainly greedy rounds choose drafts (MTP) and accept on the device (spec/device_round.py)
-        when the library has the device sampler; off: every round on the host."""
+        when the library has the device sampler; off: every round on the host.
+        refeed_max: most rolled-back tokens a row re-feeds in a round that still drafts (default k + 1); past it
+        the round re-feeds without drafts. Every rejection adds the kept tokens to the pile and only a fully
+        accepted round (or a round without drafts) empties it, so a small bound costs rounds of one token and a
+        large one costs verify rows (nearly free while the verify stays in the decode GEMV's row range)."""
         self.runner, self.kv, self.proposer, self.k = runner, kv, proposer, draft_tokens
         self.sampler, self.counters = sampler, counters
         counters.backend, counters.draft_tokens_max = proposer.name, draft_tokens
@@ -73,6 +77,7 @@ class SpeculativeDecoder:
         self.hidden_kw = {"taps": True} if getattr(proposer, "target_hidden", "final") == "taps" else {}
         self.before_round = getattr(proposer, "before_round", None)
         self.states: dict[int, SpecState] = {}
+        self.refeed_max = draft_tokens + 1 if refeed_max is None else int(refeed_max)
         self.argmax = DeviceArgmax(runner) if device_rounds and supports_device_sampler(runner.manifest, runner.vm) \
             else None
 
@@ -91,7 +96,7 @@ class SpeculativeDecoder:
         st = self.state(req)
         if req.grammar is not None:
             return 0  # constrained requests decode without drafts (their one token is masked)
-        if len(st.unfed or ()) > self.k + 1:
+        if len(st.unfed or ()) > self.refeed_max:
             return 0  # a round without drafts consumes the re-fed tokens before they pile up
         k = min(self.k, room)
         return k if k > 0 and self.proposer.can_draft(req, st) else 0
