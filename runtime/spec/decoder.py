@@ -245,11 +245,11 @@ class SpeculativeDecoder:
         c = self.counters
         where = None
         if device_drafts is not None:  # (chain row, index of its first draft among the verify's tokens)
-            first, at = {}, 0
+            first_draft, at = {}, 0
             for w, (_, toks) in zip(work, batch):
-                first[w.req.rid] = at + len(w.feed)
+                first_draft[w.req.rid] = at + len(w.feed)
                 at += len(toks)
-            where = [(r, first[req.rid]) for r, (req, _, _) in enumerate(drafting)]
+            where = [(r, first_draft[req.rid]) for r, (req, _, _) in enumerate(drafting)]
         logits, cu, hid = self.runner.verify_device(batch, drafts=None if where is None else (device_drafts, where),
                                                     **self.hidden_kw)
         lp_rows = np.zeros(int(cu[-1]), bool)
@@ -263,8 +263,8 @@ class SpeculativeDecoder:
         target = out[0].numpy()
         if device_drafts is not None:
             cols = device_drafts.numpy()
-            for r, (_, st, _) in enumerate(drafting):
-                st.round.drafts = [int(x) for x in cols[:, r]]
+            for r, (req, _, _) in enumerate(drafting):
+                self._record(req).drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
         lp_host = DeviceArgmax.read_logprobs(out) if lp_rows.any() else None
         results = {}
