@@ -369,10 +369,14 @@ class ModelRunner:
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
         if drafts is not None:
             rows, where = drafts
-            b = int(rows.shape[1])
-            for j in range(int(rows.shape[0])):
-                for r, at in where:
-                    rows._create_view((1,), "int32", 4 * (j * b + r)).copyto(self.inputs.r_tokens.view((1,), at + j))
+            k, b = (int(x) for x in rows.shape)
+            if b == 1:  # one sequence: its drafts are contiguous, one copy
+                rows._create_view((k,), "int32", 0).copyto(self.inputs.r_tokens.view((k,), where[0][1]))
+            else:
+                for j in range(k):
+                    for r, at in where:
+                        src = rows._create_view((1,), "int32", 4 * (j * b + r))
+                        src.copyto(self.inputs.r_tokens.view((1,), at + j))
         if graphs is not None:
             self._ragged_graphs()
             return graphs(args, self._pools(), wait=wait), cu
