@@ -118,17 +118,47 @@ def test_mtp_chain_on_device_matches_host(runner, prompts):
         runner.free_seq(s)
 
 
-def _generate(prompts, **opts):
+def _generate(prompts, params=None, logprobs=None, spec="mtp", **opts):
+    """Token ids per request and the engine stats (params: SamplingParams per request, default greedy; logprobs:
+    a list that receives each request's TokenLogprobs)."""
     cfg = EngineConfig(max_concurrency=2, max_pending_requests=len(prompts), max_context=512, host_kv_mib=0,
-                       spec="mtp", draft_tokens=3, **opts)
+                       spec=spec, draft_tokens=3, **opts)
     eng = open_engine(ART, cfg)
+    params = params or [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * len(prompts)
     try:
-        hs = [eng.submit(GenRequest(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
-              for p in prompts]
-        outs = [[t for ev in h.iter_sync(timeout=300) if hasattr(ev, "token_ids") for t in ev.token_ids] for h in hs]
+        hs = [eng.submit(GenRequest(p, sp)) for p, sp in zip(prompts, params)]
+        outs = []
+        for h in hs:
+            evs = [ev for ev in h.iter_sync(timeout=300) if hasattr(ev, "token_ids")]
+            outs.append([t for ev in evs for t in ev.token_ids])
+            if logprobs is not None:
+                logprobs.append([lp for ev in evs for lp in ev.logprobs])
         return outs, eng.stats()
     finally:
         eng.stop()
+
+
+def test_device_logprobs_match_host(prompts):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=True, top_logprobs=3)] * 2
+    dev_lp, host_lp = [], []
+    dev, st = _generate(prompts, params, dev_lp)
+    host, _ = _generate(prompts, params, host_lp, device_sampling="off")
+    assert dev == host and st.spec.device_rounds == st.spec.rounds > 0
+    for a_req, b_req in zip(dev_lp, host_lp):
+        assert len(a_req) == len(b_req) == 12
+        for a, b in zip(a_req, b_req):
+            assert a.token_id == b.token_id and a.rank == b.rank and a.top_ids.tolist() == b.top_ids.tolist()
+            assert abs(a.logprob - b.logprob) < 1e-4 and np.abs(a.top_logprobs - b.top_logprobs).max() < 1e-4
+
+
+def test_mixed_batch_rounds_stay_on_the_host(prompts):
+    """A sampled row in the batch keeps the round on the host; the greedy row is still lossless."""
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=16, ignore_eos=True)]
+    base, _ = _generate(prompts[:1], params[:1], spec="none")
+    mixed, st = _generate(prompts, params)
+    assert mixed[0] == base[0]
+    assert st.spec.device_rounds < st.spec.rounds
 
 
 @pytest.mark.parametrize("forced", [None, 3.18])

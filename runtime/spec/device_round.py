@@ -73,8 +73,8 @@ class DeviceArgmax:
             table[:, abi.P_REPETITION] = 1.0
             for i in range(n):
                 flags = abi.F_MASK if masked else 0
-                if logprobs and logprobs[i]:
-                    flags |= abi.F_LOGPROBS
+                if logprobs and logprobs[i]:  # processed: over the unmasked ids, as the host's cut logits
+                    flags |= abi.F_LOGPROBS | abi.F_LP_PROCESSED
                 table[i, abi.P_FLAGS] = flags
             t = self._tables[key] = self.tvm.runtime.tensor(table, self.dev)
             if len(self._tables) > 256:  # a long-running server sees few shapes; bound it anyway
