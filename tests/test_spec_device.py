@@ -111,7 +111,7 @@ def test_mtp_chain_on_device_matches_host(runner, prompts):
         states.append(st)
         acts.append(act)
     (host,) = prop.propose([(acts[0], states[0], 4)], lambda a, row, j: int(np.argmax(row)))
-    rows = prop.propose_device([(acts[1], states[1], 4)], DeviceArgmax(runner))
+    rows = prop.launch_device(prop.stage_device([(acts[1], states[1], 4)]), DeviceArgmax(runner))
     assert len(host) == 4 and rows.numpy()[:, 0].tolist() == host
     assert states[1].mtp_pos == states[0].mtp_pos and states[1].mtp_hidden is None
     for s in seqs:

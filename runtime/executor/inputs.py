@@ -212,6 +212,13 @@ class ChainInputs:
         self.drafts: Any = None  # [steps + 1, b] int32: each step's drafts, copied out of the sampler's outputs
         self.hidden: Any = None  # [max_batch, D] float32
         self._b = 0
+        # the mtp_prefill that starts a chain (eager: these may grow): its rows' tokens, positions, row ids, the
+        # row of each sequence's logits, and the hidden rows [m, D]
+        self.p_tokens = _Buffer(tvm, dev, 64)
+        self.p_positions = _Buffer(tvm, dev, 64)
+        self.p_seq = _Buffer(tvm, dev, 64)
+        self.p_rows = _Buffer(tvm, dev, max_batch)
+        self.p_hidden: Any = None
 
     def stage(self, seqs: Sequence[SeqLike], first: Sequence[int], steps: int, width_of=None) -> list:
         """Stage a chain of `steps` steps whose step j puts row i at position first[i] + j; returns the step's
@@ -234,6 +241,33 @@ class ChainInputs:
             width = min(width_of(width), self.max_pages)
         return [None, self.tokens.view((b,)), self.positions.view((b,)), self.seq.upload((b,)),
                 StepInputs._stage_table(self.rows, self.pages, b, width)]
+
+    def stage_prefill(self, hidden: np.ndarray, tokens: Sequence[Sequence[int]], starts: Sequence[int],
+                      page_table) -> list:
+        """Inputs of the chain's first call, mtp_prefill: hidden rows [m, D] (all sequences), each sequence's
+        next tokens and first position; page_table: the chain's (stage() first). Returns [hidden, tokens,
+        positions, token_seq, page_table, logit_rows]."""
+        lens = [len(t) for t in tokens]
+        m = int(sum(lens))
+        if m > self.p_tokens.capacity:
+            cap = max(m, 2 * self.p_tokens.capacity)
+            self.p_tokens, self.p_positions, self.p_seq = (_Buffer(self.tvm, self.dev, cap) for _ in range(3))
+        off = 0
+        for i, (t, p0) in enumerate(zip(tokens, starts)):
+            self.p_tokens.host[off:off + len(t)] = t
+            self.p_positions.host[off:off + len(t)] = np.arange(p0, p0 + len(t), dtype=np.int32)
+            self.p_seq.host[off:off + len(t)] = i
+            off += len(t)
+        self.p_rows.host[: len(lens)] = np.cumsum(lens) - 1
+        h = np.ascontiguousarray(hidden, np.float32)
+        if self.p_hidden is None or int(self.p_hidden.shape[0]) < h.size:
+            self.p_hidden = self.tvm.runtime.empty((max(h.size, 2 * (0 if self.p_hidden is None else
+                                                                      int(self.p_hidden.shape[0])), 1),),
+                                                   "float32", self.dev)
+        hv = self.p_hidden._create_view(h.shape, "float32", 0)
+        hv.copyfrom(h)
+        return [hv, self.p_tokens.upload((m,)), self.p_positions.upload((m,)), self.p_seq.upload((m,)), page_table,
+                self.p_rows.upload((len(lens),))]
 
     def hidden_view(self, b: int, d: int):
         if self.hidden is None or int(self.hidden.shape[1]) != d:

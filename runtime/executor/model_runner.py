@@ -76,7 +76,7 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
-        self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (mtp_draft_chain)
+        self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (stage_draft_chain)
         self._chain_generation = 0
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
@@ -348,17 +348,22 @@ class ModelRunner:
         logits = self._cut(out[0].numpy())
         return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self.split_rows(out[1], cu, taps)
 
-    def verify_device(self, batch, taps: bool = False, drafts=None) -> tuple[Any, np.ndarray, Any]:
-        """verify whose logits stay on the device: (the library's [rows, vocab_size] logits tensor, uncut, for
-        the device sampler; valid until the next verify of that shape; cu_seqlens; the hidden / taps output tensor,
-        which split_rows cuts per sequence as verify does: read it after queueing what consumes the logits).
-        drafts: (rows [n, b] device int32, [(chain row, index of its first draft in the call's tokens)]): tokens
-        the device chose (mtp_draft_chain), copied on the device over the placeholders `batch` holds there.
-        The graph replay is not waited for: reading any output waits for it."""
-        out, cu = self._verify_call(batch, taps, drafts, wait=False)
+    def verify_device(self, staged: tuple, drafts=None) -> tuple[Any, np.ndarray, Any]:
+        """A staged verify (stage_verify) whose logits stay on the device: (the library's [rows, vocab_size]
+        logits tensor, uncut, for the device sampler, valid until the next verify of that shape; cu_seqlens; the
+        hidden / taps output tensor, which split_rows cuts per sequence as verify does: read it after queueing
+        what consumes the logits). drafts: (rows [k, b] device int32, [(chain row, index of its first draft
+        among the call's tokens)]): tokens the device chose (run_draft_chain), copied on the device over the
+        placeholders the staged batch holds there. The graph replay is not waited for: reading an output is."""
+        out, cu = self.run_verify(staged, drafts, wait=False)
         return out[0], cu, out[1]
 
     def _verify_call(self, batch, taps: bool, drafts=None, wait: bool = True):
+        return self.run_verify(self.stage_verify(batch, taps), drafts, wait)
+
+    def stage_verify(self, batch, taps: bool = False) -> tuple:
+        """A verify's inputs, staged (host->device copies) now and launched by run_verify: a round stages its
+        verify before launching the draft chain, so nothing waits for the device between the two."""
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
@@ -367,7 +372,15 @@ class ModelRunner:
         graphs = self.verify_t_graphs if taps else self.verify_graphs
         assert self.inputs is not None  # allocate() made the input buffers
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        if graphs is not None:
+            self._ragged_graphs()
+        return name, graphs, args, cu
+
+    def run_verify(self, staged: tuple, drafts=None, wait: bool = True):
+        """Launch a staged verify: (the library's outputs, cu_seqlens); drafts as verify_device's."""
+        name, graphs, args, cu = staged
         if drafts is not None:
+            assert self.inputs is not None
             rows, where = drafts
             k, b = (int(x) for x in rows.shape)
             if b == 1:  # one sequence: its drafts are contiguous, one copy
@@ -378,7 +391,6 @@ class ModelRunner:
                         src = rows._create_view((1,), "int32", 4 * (j * b + r))
                         src.copyto(self.inputs.r_tokens.view((1,), at + j))
         if graphs is not None:
-            self._ragged_graphs()
             return graphs(args, self._pools(), wait=wait), cu
         return self.vm[name](*args, *self._pools()), cu
 
@@ -403,6 +415,17 @@ class ModelRunner:
             if top >= len(s.pages) * self.page_size:
                 raise ValueError(f"MTP position {top} lies beyond the sequence's reserved pages")
 
+    def _check_mtp_items(self, items, bounded: bool) -> list[int]:
+        """mtp_prefill's items checked (matching rows and tokens, positions, ids, the row bound); their row counts."""
+        lens = [len(h) for _, h, _, _ in items]
+        if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
+            raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
+        if bounded:
+            self._check_chunk(sum(lens))
+        self._check_mtp([s for s, _, _, _ in items], [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
+        self._check_tokens([t for _, _, t, _ in items])
+        return lens
+
     def mtp_prefill(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]],
                     shortlist: Optional[np.ndarray] = None, on_device: bool = False) -> tuple[Any, Any]:
         """MTP rows for [(seq, hidden [m, D], next_tokens [m], first position)]: row j pairs the main hidden
@@ -412,13 +435,7 @@ class ModelRunner:
         if on_device and shortlist is not None:
             raise ValueError("a shortlisted MTP head returns shortlist columns; the device chain needs the full vocabulary")
         seqs = [s for s, _, _, _ in items]
-        lens = [len(h) for _, h, _, _ in items]
-        if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
-            raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
-        if shortlist is None:  # mtp_step_sl (draft rounds) has no row bound
-            self._check_chunk(sum(lens))
-        self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
-        self._check_tokens([t for _, _, t, _ in items])
+        lens = self._check_mtp_items(items, bounded=shortlist is None)  # mtp_step_sl (draft rounds): no row bound
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
         last = (np.cumsum(lens) - 1).astype(np.int32)
         assert self.inputs is not None  # allocate() made the input buffers
@@ -454,37 +471,48 @@ class ModelRunner:
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
 
-    def mtp_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int, choose):
-        """A round's MTP drafts with the whole chain on the device: mtp_prefill over items (as mtp_prefill's:
-        the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s putting each
-        row at the position after the previous one. choose(logits) -> [b] int32 device tensor picks a step's
-        drafts (spec/device_round.py DeviceArgmax); they and the step's output hidden feed the next step by
-        device copies. Everything is staged before the first launch and nothing is read back, so the steps run
-        back to back. Returns the [steps, b] drafts view (valid until the next chain)."""
+    def stage_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int) -> tuple:
+        """Stage a round's MTP draft chain (run_draft_chain launches it): mtp_prefill over items (as
+        mtp_prefill's: the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s
+        putting each row at the position after the previous one. Every host->device copy of the chain happens
+        here (TVM's wait for the device): stage the round's verify too before launching anything."""
         if not self.has_mtp or self.chain is None:
             raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
+        lens = self._check_mtp_items(items, bounded=True)
         seqs = [s for s, _, _, _ in items]
-        first = [p + len(h) for _, h, _, p in items]  # the first chained step's positions
+        first = [p + n for n, (_, _, _, p) in zip(lens, items)]  # the first chained step's positions
         if steps > 1:
             self._check_mtp(seqs, [f + steps - 2 for f in first])
         chain, graphs = self.chain, self.mtp_graphs  # its graphs under the tag "chain" (other input buffers)
         args = chain.stage(seqs, first, steps - 1, width_of=page_width_bucket if graphs is not None else None)
-        logits, hid = self.mtp_prefill(items, on_device=True)
-        # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
-        choose(logits).copyto(chain.drafts_row(0))
-        h_in = chain.hidden_view(len(seqs), int(hid.shape[1]))
+        hidden = np.concatenate([h for _, h, _, _ in items])
+        pre = chain.stage_prefill(hidden, [t for _, _, t, _ in items], [p for _, _, _, p in items], args[4])
+        args[0] = chain.hidden_view(len(seqs), int(hidden.shape[1]))
         if graphs is not None and chain.generation != self._chain_generation:
             graphs.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
             self._chain_generation = chain.generation
+        return steps, args, pre
+
+    def run_draft_chain(self, staged: tuple, choose):
+        """Launch a staged chain; choose(logits) -> [b] int32 device tensor picks a step's drafts (spec/
+        device_round.py DeviceArgmax); they and the step's output hidden feed the next step by device copies,
+        nothing is read back, and replays are not waited for, so the steps run back to back. Returns the
+        [steps, b] drafts view (valid until the next chain)."""
+        steps, args, pre = staged
+        chain, graphs = self.chain, self.mtp_graphs
+        assert chain is not None  # stage_draft_chain checked it
+        out = self.vm["mtp_prefill"](*pre, self.mtp_kv_pool, self.params)
+        # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
+        choose(out[0]).copyto(chain.drafts_row(0))
+        hid = out[1]
         for s in range(steps - 1):
             chain.drafts_row(s).copyto(args[1])
             chain.positions_row(s).copyto(args[2])
-            hid.copyto(h_in)
-            step = [h_in] + args[1:]
+            hid.copyto(args[0])
             if graphs is not None:
-                out = graphs(step, [self.mtp_kv_pool, self.params], wait=False, tag="chain")
+                out = graphs(args, [self.mtp_kv_pool, self.params], wait=False, tag="chain")
             else:
-                out = self.vm["mtp_step"](*step, self.mtp_kv_pool, self.params)
+                out = self.vm["mtp_step"](*args, self.mtp_kv_pool, self.params)
             hid = out[1]
             choose(out[0]).copyto(chain.drafts_row(s + 1))
         return chain.drafts_rows(steps)

@@ -180,12 +180,12 @@ class SpeculativeDecoder:
         c.snapshot_s += t - t_round
         on_device = self._device_round(work)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
-        device_drafts = self._propose(drafting, on_device) if drafting else None
+        chain = self._propose(drafting, on_device) if drafting else None
         t, t0 = time.perf_counter(), t
         c.propose_s += t - t0
         batch = [(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work]
         if on_device:
-            results = self._verify_accept_device(work, batch, t, device_drafts, drafting)
+            results = self._verify_accept_device(work, batch, t, chain, drafting)
         else:
             logits, hidden = self.runner.verify(batch, **self.hidden_kw)
             t, t0 = time.perf_counter(), t
@@ -220,16 +220,19 @@ class SpeculativeDecoder:
         return True
 
     def _propose(self, drafting: list, on_device: bool):
-        """Drafts into every drafting row's record; returns the device drafts ([k, rows]) when the proposer chose
-        them on the device (the records then hold k placeholders, replaced once the round reads the device)."""
-        propose_device = getattr(self.proposer, "propose_device", None)
-        if on_device and propose_device is not None:
-            rows = propose_device(drafting, self.argmax)
-            if rows is not None:
+        """Drafts into every drafting row's record; when the proposer will choose them on the device, its chain is
+        staged and this returns the call that launches it (-> the [k, rows] device drafts); the records then hold
+        k placeholders, replaced once the round reads the device."""
+        stage_device = getattr(self.proposer, "stage_device", None)
+        launch_device = getattr(self.proposer, "launch_device", None)
+        if on_device and stage_device is not None and launch_device is not None:
+            staged = stage_device(drafting)
+            if staged is not None:
                 for _, st, k in drafting:
                     assert st.round is not None  # opened for every row
                     st.round.drafts, st.qs = [0] * k, [None] * k  # greedy: no draft distributions
-                return rows
+                argmax = self.argmax
+                return lambda: launch_device(staged, argmax)
         drafts = self.proposer.propose(drafting, self._choose)
         for (req, st, _), d in zip(drafting, drafts):
             req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
@@ -237,21 +240,23 @@ class SpeculativeDecoder:
             st.round.drafts = d
         return None
 
-    def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float, device_drafts,
+    def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float, chain,
                               drafting: list) -> dict[int, RowResult]:
-        """The verify (over the device's drafts, copied there), then the target's argmax of every row (and the
-        logprobs rows ask for) on the device; the ids are the round's one read of the device, the drafts come
-        with it (the chain's and verify's kernels finish inside it: accept_s)."""
+        """The verify is staged, then the staged draft chain (chain) and the verify over its drafts are launched
+        without a wait, then the target's argmax of every row (and the logprobs rows ask for) on the device; the
+        ids are the round's one read of the device, the drafts come with it (the chain's and the verify's kernels
+        finish inside it: accept_s)."""
         c = self.counters
-        where = None
-        if device_drafts is not None:  # (chain row, index of its first draft among the verify's tokens)
+        staged = self.runner.stage_verify(batch, **self.hidden_kw)
+        drafts = None
+        if chain is not None:  # (chain row, index of its first draft among the verify's tokens)
             first_draft, at = {}, 0
             for w, (_, toks) in zip(work, batch):
                 first_draft[w.req.rid] = at + len(w.feed)
                 at += len(toks)
+            drafts = chain()
             where = [(r, first_draft[req.rid]) for r, (req, _, _) in enumerate(drafting)]
-        logits, cu, hid = self.runner.verify_device(batch, drafts=None if where is None else (device_drafts, where),
-                                                    **self.hidden_kw)
+        logits, cu, hid = self.runner.verify_device(staged, None if drafts is None else (drafts, where))
         lp_rows = np.zeros(int(cu[-1]), bool)
         for i, w in enumerate(work):
             if _wants_logprobs(w.req):
@@ -261,8 +266,8 @@ class SpeculativeDecoder:
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
         target = out[0].numpy()
-        if device_drafts is not None:
-            cols = device_drafts.numpy()
+        if drafts is not None:
+            cols = drafts.numpy()
             for r, (req, _, _) in enumerate(drafting):
                 self._record(req).drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
