@@ -43,8 +43,10 @@ class SpecCounters:
     forced_acceptance: Optional[float] = None  # BENCHMARK ONLY: forced tokens per round (spec/forced.py)
     device_rounds: int = 0  # rounds whose drafts / acceptance ran on the device (spec/device_round.py)
     # wall seconds per phase of the rounds, summed (engine thread, perf_counter): where a round's time goes.
-    # A phase ends where the host next needs a result, so device work queued in one phase and waited for in
-    # the next is counted in the next (on the device path the verify's kernels mostly land in accept_s).
+    # A phase ends where the host next waits for a result, so device work queued in one phase and waited for
+    # in a later one is counted there. Host rounds wait in every phase. Device rounds (device_rounds) queue the
+    # draft chain and the verify without waiting: propose_s and verify_s are host staging and launches, and
+    # the device's work on both lands in accept_s, whose read is the round's one wait.
     snapshot_s: float = 0.0  # GDN state snapshots before the verify (the rollback's copy)
     propose_s: float = 0.0  # the proposer's drafts
     verify_s: float = 0.0  # the (k+1)-row target forward, incl. the re-fed rows of a rollback
