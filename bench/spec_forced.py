@@ -15,7 +15,8 @@ acceptance, rollback and re-feed of what a round did not keep, host syncs.
 
 Per row: decode tokens/s per request, aggregate tokens/s, rounds per request, tokens per row-round (all
 rounds) and per drafting round (rounds that re-feed rolled-back tokens without drafting are counted in
-the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation.
+the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation, and
+the round's phases in ms (runtime/stats.py SpecCounters: snapshot, propose, verify, accept, settle, glue).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -95,14 +97,12 @@ def _measure(eng, prompts, gen: int) -> dict:
         hs = [eng.submit(GenRequest(list(p), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)))
               for p in prompts]
         t0 = time.perf_counter()
-        for h in hs:
-            for _ in h.iter_sync(timeout=1800):
-                pass
-        return time.perf_counter() - t0, [h.finished for h in hs]
+        toks = [[t for ev in h.iter_sync(timeout=1800) if hasattr(ev, "token_ids") for t in ev.token_ids] for h in hs]
+        return time.perf_counter() - t0, [h.finished for h in hs], toks
 
     once()
     before = eng.stats().spec
-    wall, fins = once()
+    wall, fins, toks = once()
     sp = eng.stats().spec
     rows = sp.row_rounds - before.row_rounds
     drafting = rows - (sp.no_draft_rounds - before.no_draft_rounds)
@@ -112,7 +112,8 @@ def _measure(eng, prompts, gen: int) -> dict:
     out = {"requests": len(prompts), "wall_s": round(wall, 3),
            "decode_tokens_per_s_per_request": round(float(np.mean([x["predicted_per_second"] for x in t])), 2),
            "aggregate_tokens_per_s": round(sum(x["predicted_n"] for x in t) / wall, 2),
-           "predicted_ms_per_request": round(pred_ms, 2), "forced_acceptance": t[0].get("draft_forced_acceptance")}
+           "predicted_ms_per_request": round(pred_ms, 2), "forced_acceptance": t[0].get("draft_forced_acceptance"),
+           "tokens": toks}
     if rows:
         per_req_rounds = rows / len(prompts)
         out.update({"row_rounds": rows, "drafting_row_rounds": drafting,
@@ -121,11 +122,23 @@ def _measure(eng, prompts, gen: int) -> dict:
                                                        + 1, 3),
                     "rounds_per_request": round(per_req_rounds, 2),
                     "ms_per_round": round(pred_ms / per_req_rounds, 3)})
+    rounds = sp.rounds - before.rounds
+    if rounds:  # where a round's time goes (runtime/stats.py SpecCounters phases), per engine round
+        from ninfer_mlc.runtime.stats import phase_ms
+
+        out["device_rounds"] = sp.device_rounds - before.device_rounds
+        out["phase_ms_per_round"] = phase_ms(sp, rounds, before)
     return out
 
 
 def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches: list[int], deadline: float,
-               device: str = "auto", log=print, save=lambda: None) -> dict:
+               device: str = "auto", log=print, save=lambda: None, host_check: bool = True,
+               refeed_max: Optional[int] = None) -> dict:
+    """host_check: every speculative row is run again with its rounds on the host (device_sampling off: the
+    host-side rounds, for comparison) and the two outputs compared (device_matches_host: forced rows keep the
+    device-chosen drafts and the target's argmax, so any difference is a device-round bug).
+    refeed_max: also run every speculative profile with this re-feed bound (EngineConfig.spec_refeed_max; rows
+    labelled "refeed N"): rounds that keep drafting after rejections, at the cost of longer verifies."""
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
 
@@ -149,9 +162,16 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, runner.sample_vocab, (b_max, ctx)).tolist()
     plain = {}
-    for label, spec, k, forced in PROFILES:
-        pc = replace(cfg, spec=spec, draft_tokens=max(k, 1), forced_acceptance=forced,
-                     draft_model=str(drafter_dir) if spec == "dflash2" else None)
+    runs = [(label, spec, k, forced, "auto", None) for label, spec, k, forced in PROFILES]
+    if host_check:  # after every device-round run: the same profile with host rounds
+        runs = [r for x in runs for r in ([x] if x[1] == "none" else [x, (x[0] + " host", *x[1:4], "off", None)])]
+    if refeed_max is not None:
+        runs += [(f"{label} refeed {refeed_max}", spec, k, forced, "auto", refeed_max)
+                 for label, spec, k, forced in PROFILES if spec != "none"]
+    device_tokens = {}
+    for label, spec, k, forced, sampling, refeed in runs:
+        pc = replace(cfg, spec=spec, draft_tokens=max(k, 1), forced_acceptance=forced, device_sampling=sampling,
+                     spec_refeed_max=refeed, draft_model=str(drafter_dir) if spec == "dflash2" else None)
         for b in batches:
             if time.time() > deadline:
                 res["skipped"].append({"profile": label, "batch": b})
@@ -162,6 +182,16 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
                 row = {"profile": label, "spec": spec, "draft_tokens": k, "batch": b, **_measure(eng, prompts[:b], gen)}
             finally:
                 eng.stop()
+            toks = row.pop("tokens")
+            # CUDA-graph counters so far (cumulative over the runs): replays vs eager calls of the round's functions
+            row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs")
+                             if (g := getattr(runner, n, None)) is not None}
+            if refeed is not None:
+                pass  # another round structure: forced rows keep other tokens
+            elif sampling == "auto":
+                device_tokens[(spec, forced, b)] = toks
+            elif (spec, forced, b) in device_tokens:
+                row["device_matches_host"] = device_tokens[(spec, forced, b)] == toks
             if spec == "none":
                 plain[b] = row
             elif b in plain:
@@ -182,9 +212,15 @@ def print_forced(res: dict) -> None:
         return
     print(f"\n(c) forced acceptance through the engine ({res['target']}, ctx {res['ctx']}, {res['gen']} greedy tokens"
           f"{', RANDOM weights' if res.get('random_weights') else ''}): FORCED profiles, not the model's acceptance")
-    print("  profile          b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
+    print("  profile (\"host\": rounds on the host, device_sampling off)")
+    print("  profile                   b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
     for r in res["rows"]:
-        print(f"  {r['profile']:15s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
+        print(f"  {r['profile']:24s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
               f"{r['aggregate_tokens_per_s']:9.1f}  {r.get('tokens_per_round', 1.0):9.2f}  "
               f"{r.get('tokens_per_drafting_round', 1.0):15.2f}  {r.get('ms_per_round', float('nan')):8.2f}  "
-              f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}")
+              f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}"
+              + ("" if "device_matches_host" not in r else
+                 "  device rounds = host rounds" if r["device_matches_host"] else "  DEVICE ROUNDS DIFFER FROM HOST"))
+        if r.get("phase_ms_per_round"):
+            print("      ms/round by phase: " + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_round"].items())
+                  + f"  (device rounds {r.get('device_rounds', 0)})")

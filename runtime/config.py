@@ -32,7 +32,9 @@ class EngineConfig:
                                     default_text="auto on CUDA, max-context x max-concurrency on the CPU")
     cuda_graphs: bool = _f(True, "replay decode steps as CUDA graphs (CUDA libraries only)")
     device_sampling: str = _f("auto", "sample decode rows inside the library (only token ids cross to the host): "
-                                      "auto = on CUDA when the library carries the sampler, on / off",
+                                      "auto = on CUDA when the library carries the sampler, on / off. "
+                                      "Greedy speculative rounds choose MTP drafts and accept on the device "
+                                      "unless off",
                               choices=("auto", "on", "off"))
     async_scheduling: str = _f("auto", "launch each decode step before committing the previous step's tokens, so "
                                        "detokenizing, stop strings and streaming run while the device computes "
@@ -76,6 +78,10 @@ class EngineConfig:
     lm_head_draft: Optional[str] = _f(None, "spec mtp: shortlisted proposal head, N (the N lowest token ids) or a "
                                             "file of token ids; verification always uses the full head",
                                       metavar="N|FILE")
+    spec_refeed_max: Optional[int] = _f(None, "most rolled-back tokens a row re-feeds at the front of a verify that "
+                                              "still drafts (a rejection restores the state from before the verify, "
+                                              "so kept tokens wait for the next one); past it a round re-feeds "
+                                              "them without drafts", metavar="N", default_text="draft tokens + 1")
     forced_acceptance: Optional[float] = _f(None, "BENCHMARK ONLY: force this many tokens per round (kept drafts + "
                                                   "1, e.g. 3.18) whatever the target says; the output is not the "
                                                   "model's (ninfer serve needs --allow-forced-acceptance)",
@@ -132,6 +138,9 @@ class EngineConfig:
         top = self._block_drafts() if self.spec in DFLASH_METHODS else MAX_DRAFT_TOKENS
         if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= top:
             raise ConfigError("draft_tokens", f"must be an integer in 1..{top}, got {d!r}")
+        r = self.spec_refeed_max
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 1):
+            raise ConfigError("spec_refeed_max", f"must be a positive integer, got {r!r}")
         if self.forced_acceptance is not None:
             f = self.forced_acceptance
             if self.spec == "none" or isinstance(f, bool) or not isinstance(f, (int, float)) or not 1 <= f <= d + 1:

@@ -141,7 +141,9 @@ class Engine:
 
             self.spec = SpeculativeDecoder(runner, kv, make_proposer(cfg, runner, kv, sorted(self.eos_ids)),
                                            cfg.draft_tokens, self.sampler, self.spec_counters,
-                                           forced_acceptance=cfg.forced_acceptance)
+                                           forced_acceptance=cfg.forced_acceptance,
+                                           device_rounds=cfg.device_sampling != "off",
+                                           refeed_max=cfg.spec_refeed_max)
         self.device_sampler = self._device_sampler(cfg, runner)
         self._lanes: dict[int, int] = {}  # request id -> device sampler lane (penalty state)
         self._sampled: dict[int, int] = {}  # request id -> the token the device sampler drew this step

@@ -43,6 +43,18 @@ class SpecCounters:
     rollbacks: int = 0
     no_draft_rounds: int = 0
     forced_acceptance: Optional[float] = None  # BENCHMARK ONLY: forced tokens per round (spec/forced.py)
+    device_rounds: int = 0  # rounds whose drafts / acceptance ran on the device (spec/device_round.py)
+    # wall seconds per phase of the rounds, summed (engine thread, perf_counter): where a round's time goes.
+    # A phase ends where the host next waits for a result, so device work queued in one phase and waited for
+    # in a later one is counted there. Host rounds wait in every phase. Device rounds (device_rounds) queue the
+    # draft chain and the verify without waiting: propose_s and verify_s are host staging and launches, and
+    # the device's work on both lands in accept_s, whose read is the round's one wait.
+    snapshot_s: float = 0.0  # GDN state snapshots before the verify (the rollback's copy)
+    propose_s: float = 0.0  # the proposer's drafts
+    verify_s: float = 0.0  # the (k+1)-row target forward, incl. the re-fed rows of a rollback
+    accept_s: float = 0.0  # acceptance and logprobs
+    settle_s: float = 0.0  # after the scheduler commits: snapshot restore or drop, proposer bookkeeping
+    round_s: float = 0.0  # the whole round() call (its remainder over the phases above is host glue)
 
     @property
     def acceptance_rate(self) -> float:
@@ -51,6 +63,26 @@ class SpecCounters:
     @property
     def tokens_per_round(self) -> float:
         return round(self.emitted_tokens / self.row_rounds, 6) if self.row_rounds else 0.0
+
+    def phase_ms_per_round(self) -> dict[str, float]:
+        """Mean milliseconds per round of each phase; `glue` is round() minus its phases, `total` adds settle."""
+        return phase_ms(self, self.rounds)
+
+
+PHASES = ("snapshot", "propose", "verify", "accept", "settle")
+
+
+def phase_ms(c: SpecCounters, rounds: int, before: Optional[SpecCounters] = None) -> dict[str, float]:
+    """Mean ms per round of each phase of c (minus `before`, for a window of `rounds` rounds); zeros without rounds."""
+    if rounds <= 0:
+        return {k: 0.0 for k in PHASES + ("glue", "total")}
+
+    def d(name: str) -> float:
+        return getattr(c, name) - (getattr(before, name) if before is not None else 0.0)
+    out = {p: d(p + "_s") for p in PHASES}
+    out["glue"] = d("round_s") - sum(out[p] for p in PHASES if p != "settle")
+    out["total"] = d("round_s") + out["settle"]
+    return {k: round(1000.0 * v / rounds, 4) for k, v in out.items()}
 
 
 @dataclass(frozen=True)
@@ -111,4 +143,5 @@ class EngineStats:
         d = asdict(self)
         d["spec"]["acceptance_rate"] = self.spec.acceptance_rate
         d["spec"]["tokens_per_round"] = self.spec.tokens_per_round
+        d["spec"]["phase_ms_per_round"] = self.spec.phase_ms_per_round()
         return d

@@ -51,6 +51,7 @@ class FakeLib:
         return 0
 
     def cuStreamSynchronize(self, s):
+        self.syncs = getattr(self, "syncs", 0) + 1
         return 0
 
     def cuGraphExecDestroy(self, e):
@@ -117,6 +118,22 @@ def test_eager_then_capture_then_replay(graphed):
     np.testing.assert_array_equal(entry.statics[0].numpy(), [5, 6])  # the recorded addresses hold this step
     np.testing.assert_array_equal(entry.statics[1].numpy(), np.full((2, 4), 9))
     assert g.graph_nodes() == {((2,), (2, 4)): 7}
+
+
+def test_replay_without_wait_launches_only(graphed):
+    """wait=False (a device chain: MTP draft steps, the verify after them) launches and returns unsynchronised."""
+    g, _ = graphed
+    a = g.views(np.array([1], np.int32), np.zeros((1, 4), np.int32))
+    g(a, [])
+    g(a, [])  # capture + launch (waited for)
+    before = getattr(g.drv.lib, "syncs", 0)
+    g(a, [], wait=False)
+    assert g.drv.lib.calls[-1][0] == "launch" and getattr(g.drv.lib, "syncs", 0) == before
+    g(a, [])
+    assert g.drv.lib.syncs == before + 1
+    eager = g.stats["eager"]
+    g(a, [], tag="chain")  # same shapes, other input buffers: a key of its own (eager first)
+    assert g.stats["eager"] == eager + 1
 
 
 def test_capture_failure_falls_back_to_eager_for_good(graphed):

@@ -210,6 +210,7 @@ def test_greedy_identical(prompts, baseline, case):
     assert sp.emitted_tokens + len(prompts) == sum(len(o) for o in outs)  # + the first tokens
     assert sum(t["draft_n"] for t in timings) == sp.draft_tokens
     assert sum(t["draft_n_accepted"] for t in timings) == sp.accepted_tokens
+    assert sp.device_rounds == sp.rounds  # greedy rounds accept on the device (tests/test_spec_device.py)
     if case.get("kv_tokens"):
         assert stats.counters.preemptions > 0
     if case["spec"] == "draft":  # the model drafting for itself: every greedy draft is accepted

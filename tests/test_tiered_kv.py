@@ -262,8 +262,16 @@ def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
     rng = np.random.default_rng(3)
     prompt, other, extra = (rng.integers(0, 1900, n).tolist() for n in (150, 250, 20))
     drafts: list = []  # every draft the MTP head proposed, in order
-    propose = eng.spec.proposer.propose
-    eng.spec.proposer.propose = lambda items, choose: drafts.append(propose(items, choose)) or drafts[-1]
+    prop = eng.spec.proposer
+    propose, launch = prop.propose, prop.launch_device
+    prop.propose = lambda items, choose: drafts.append(propose(items, choose)) or drafts[-1]
+
+    def launch_device(staged, argmax):  # greedy rounds draft on the device: read the drafts it chose
+        rows = launch(staged, argmax)
+        drafts.append(rows.numpy().T.tolist())
+        return rows
+
+    prop.launch_device = launch_device
 
     def ask(ids, n):
         h = eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=True)))

@@ -113,10 +113,11 @@ class GraphedFunction:
     def key_of(inputs) -> tuple:
         return tuple(tuple(a.shape) for a in inputs)
 
-    def __call__(self, inputs: list, persistent: list, wait: bool = True):
-        """wait=False: a replay returns once the graph is queued (overlapped decode); the stream is a blocking
-        one, so work TVM queues afterwards on the legacy stream (the sampler, a copy to the host) runs after it."""
-        key = self.key_of(inputs)
+    def __call__(self, inputs: list, persistent: list, wait: bool = True, tag: str = ""):
+        """wait=False: a replay returns once launched (its stream is a blocking one, so TVM's later work on the
+        legacy default stream, e.g. reading the outputs, runs after it); for chains of device calls.
+        tag: callers whose inputs of the same shapes live at other addresses keep their own graphs under it."""
+        key = (tag,) + self.key_of(inputs) if tag else self.key_of(inputs)
         entry = self._graphs.get(key)
         if entry is not None:
             self._graphs.move_to_end(key)

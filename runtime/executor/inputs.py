@@ -49,6 +49,10 @@ class _Buffer:
     def capacity(self) -> int:
         return self.host.size
 
+    def view(self, shape: tuple, offset: int = 0):
+        """Device view of `shape` at element `offset`, without a copy (filled on the device)."""
+        return self.dev._create_view(tuple(int(x) for x in shape), "int32", 4 * int(offset))
+
     def upload(self, shape: tuple):
         """Device view of the first prod(shape) staged values (copied now)."""
         view = self._views.get(shape)
@@ -141,13 +145,19 @@ class StepInputs:
     def hidden(self, h: np.ndarray):
         """Device view of hidden-state rows [n, D] (float32) staged in a persistent buffer."""
         h = np.ascontiguousarray(h, np.float32)
-        held = 0 if self._hidden is None else int(self._hidden.shape[0])
-        if held < h.size:
-            self.generation += 1
-            self._hidden = self.tvm.runtime.empty((max(h.size, 2 * held),), "float32", self.dev)
-        view = self._hidden._create_view(h.shape, "float32", 0)
+        view = self.hidden_view(h.shape)
         view.copyfrom(h)
         return view
+
+    def hidden_view(self, shape: tuple):
+        """The persistent hidden-state buffer as a float32 view of `shape` (filled by the caller: from the host,
+        or on the device from the previous MTP step's output)."""
+        size = int(np.prod(shape))
+        held = 0 if self._hidden is None else int(self._hidden.shape[0])
+        if held < size:
+            self.generation += 1
+            self._hidden = self.tvm.runtime.empty((max(size, 2 * held),), "float32", self.dev)
+        return self._hidden._create_view(tuple(int(x) for x in shape), "float32", 0)
 
     def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int] | np.ndarray],
                out_rows: Optional[np.ndarray] = None,
@@ -188,3 +198,102 @@ class StepInputs:
     def tensor(self, a, dtype: str = "int32"):
         """A one-off device tensor (rare arguments: MTP positions, shortlists)."""
         return self.tvm.runtime.tensor(np.ascontiguousarray(a, dtype=dtype), self.dev)
+
+
+class ChainInputs:
+    """Fixed-address inputs of a chain of one-row-per-sequence MTP steps that run back to back on the device.
+
+    Everything a chain's steps differ in is staged before its first step: the positions of every step (a
+    [steps, b] table, one host->device copy), the page table and row ids; a step then only copies on the
+    device: its positions row, the previous step's drafts and output hidden. TVM's host->device copies wait
+    for the device, so staging between steps would stall the chain; these copies do not. The buffers never
+    move once sized for (max_batch, steps, D), so graphs over them stay valid (`generation` counts moves)."""
+
+    def __init__(self, tvm, dev, max_batch: int, max_pages: int):
+        self.tvm, self.dev = tvm, dev
+        self.max_batch, self.max_pages = max_batch, max_pages
+        self.generation = 0
+        self.steps = self.width = 0
+        self.rows = PageTableRows(max_batch, max_pages)
+        self.pages = _Buffer(tvm, dev, max_batch * max_pages)
+        self.seq = _Buffer(tvm, dev, max_batch)
+        self.tokens = _Buffer(tvm, dev, max_batch)
+        self.positions = _Buffer(tvm, dev, max_batch)
+        self.table: Any = None  # [steps, b] int32 positions of every step
+        self.drafts: Any = None  # [steps + 1, b] int32: each step's drafts, copied out of the sampler's outputs
+        self.hidden: Any = None  # [max_batch, D] float32
+        self._b = 0
+        # the mtp_prefill that starts a chain (eager: these may grow): its rows' tokens, positions, row ids, the
+        # row of each sequence's logits, and the hidden rows [m, D]
+        self.p_tokens = _Buffer(tvm, dev, 64)
+        self.p_positions = _Buffer(tvm, dev, 64)
+        self.p_seq = _Buffer(tvm, dev, 64)
+        self.p_rows = _Buffer(tvm, dev, max_batch)
+        self.p_hidden: Any = None
+
+    def stage(self, seqs: Sequence[SeqLike], first: Sequence[int], steps: int, width_of=None) -> list:
+        """Stage a chain of `steps` steps whose step j puts row i at position first[i] + j; returns the step's
+        input views [hidden, tokens, positions, token_seq, page_table] (mtp_step's order, no cu_seqlens)."""
+        b = len(seqs)
+        if not 1 <= b <= self.max_batch:
+            raise ValueError(f"a chain takes 1..{self.max_batch} sequences, got {b}")
+        if self.table is None or steps > self.steps:
+            self.steps = max(steps, 8)
+            self.table = self.tvm.runtime.empty((self.steps * self.max_batch,), "int32", self.dev)
+            self.drafts = self.tvm.runtime.empty(((self.steps + 1) * self.max_batch,), "int32", self.dev)
+            self.generation += 1
+        if steps:
+            table = np.asarray(first, np.int32)[None, :] + np.arange(steps, dtype=np.int32)[:, None]
+            self.table._create_view((steps * b,), "int32", 0).copyfrom(np.ascontiguousarray(table).reshape(-1))
+        self._b = b
+        self.seq.host[:b] = np.arange(b, dtype=np.int32)
+        width = self.rows.fill(seqs)
+        if width_of is not None:
+            width = min(width_of(width), self.max_pages)
+        return [None, self.tokens.view((b,)), self.positions.view((b,)), self.seq.upload((b,)),
+                StepInputs._stage_table(self.rows, self.pages, b, width)]
+
+    def stage_prefill(self, hidden: np.ndarray, tokens: Sequence[Sequence[int]], starts: Sequence[int],
+                      page_table) -> list:
+        """Inputs of the chain's first call, mtp_prefill: hidden rows [m, D] (all sequences), each sequence's
+        next tokens and first position; page_table: the chain's (stage() first). Returns [hidden, tokens,
+        positions, token_seq, page_table, logit_rows]."""
+        lens = [len(t) for t in tokens]
+        m = int(sum(lens))
+        if m > self.p_tokens.capacity:
+            cap = max(m, 2 * self.p_tokens.capacity)
+            self.p_tokens, self.p_positions, self.p_seq = (_Buffer(self.tvm, self.dev, cap) for _ in range(3))
+        off = 0
+        for i, (t, p0) in enumerate(zip(tokens, starts)):
+            self.p_tokens.host[off:off + len(t)] = t
+            self.p_positions.host[off:off + len(t)] = np.arange(p0, p0 + len(t), dtype=np.int32)
+            self.p_seq.host[off:off + len(t)] = i
+            off += len(t)
+        self.p_rows.host[: len(lens)] = np.cumsum(lens) - 1
+        h = np.ascontiguousarray(hidden, np.float32)
+        if self.p_hidden is None or int(self.p_hidden.shape[0]) < h.size:
+            self.p_hidden = self.tvm.runtime.empty((max(h.size, 2 * (0 if self.p_hidden is None else
+                                                                      int(self.p_hidden.shape[0])), 1),),
+                                                   "float32", self.dev)
+        hv = self.p_hidden._create_view(h.shape, "float32", 0)
+        hv.copyfrom(h)
+        return [hv, self.p_tokens.upload((m,)), self.p_positions.upload((m,)), self.p_seq.upload((m,)), page_table,
+                self.p_rows.upload((len(lens),))]
+
+    def hidden_view(self, b: int, d: int):
+        if self.hidden is None or int(self.hidden.shape[1]) != d:
+            self.hidden = self.tvm.runtime.empty((self.max_batch, d), "float32", self.dev)
+            self.generation += 1
+        return self.hidden._create_view((b, d), "float32", 0)
+
+    def positions_row(self, j: int):
+        """Device view of step j's positions (staged by `stage`)."""
+        return self.table._create_view((self._b,), "int32", j * self._b * 4)
+
+    def drafts_row(self, j: int):
+        """Device view of the chain's j-th drafts [b] (j = 0: the drafts of the prefill that starts the chain)."""
+        return self.drafts._create_view((self._b,), "int32", j * self._b * 4)
+
+    def drafts_rows(self, n: int):
+        """The first n rows of drafts as one [n, b] view (read once, after the round's verify)."""
+        return self.drafts._create_view((n, self._b), "int32", 0)

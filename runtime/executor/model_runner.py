@@ -18,7 +18,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
-from .inputs import SeqLike, StepInputs
+from .inputs import ChainInputs, SeqLike, StepInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
@@ -77,6 +77,8 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
+        self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (stage_draft_chain)
+        self._chain_generation = 0
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
         self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
@@ -148,6 +150,7 @@ class ModelRunner:
             self._zero_pool(self.mtp_kv_pool, lay.mtp_page, self._np_kv)  # a position the head never wrote reads finite values
         max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
+        self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
             if self.has_verify:
@@ -333,7 +336,7 @@ class ModelRunner:
         rows = (np.cumsum(lens) - 1).astype(np.int32)
         args, cu, rows_view = self._ragged(batch, rows)
         out = self.vm[self._hidden_fn("prefill_h", taps)](*args, rows_view, *self._pools())
-        return list(self._cut(out[0].numpy())), self._split_rows(out[1], cu, taps)
+        return list(self._cut(out[0].numpy())), self.split_rows(out[1], cu, taps)
 
     def _ragged_graphs(self) -> None:
         """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
@@ -350,6 +353,26 @@ class ModelRunner:
         On CUDA it replays a graph per (rows, batch, page-width bucket): a round's shape repeats.
         taps: the tap layers' outputs instead of the final hidden (DeviceRows: verify_t). Replayed, they
         are the graph's output buffer, which the next replay of that shape overwrites: consume them first."""
+        out, cu = self._verify_call(batch, taps)
+        logits = self._cut(out[0].numpy())
+        return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self.split_rows(out[1], cu, taps)
+
+    def verify_device(self, staged: tuple, drafts=None) -> tuple[Any, np.ndarray, Any]:
+        """A staged verify (stage_verify) whose logits stay on the device: (the library's [rows, vocab_size]
+        logits tensor, uncut, for the device sampler, valid until the next verify of that shape; cu_seqlens; the
+        hidden / taps output tensor, which split_rows cuts per sequence as verify does: read it after queueing
+        what consumes the logits). drafts: (rows [k, b] device int32, [(chain row, index of its first draft
+        among the call's tokens)]): tokens the device chose (run_draft_chain), copied on the device over the
+        placeholders the staged batch holds there. The graph replay is not waited for: reading an output is."""
+        out, cu = self.run_verify(staged, drafts, wait=False)
+        return out[0], cu, out[1]
+
+    def _verify_call(self, batch, taps: bool, drafts=None, wait: bool = True):
+        return self.run_verify(self.stage_verify(batch, taps), drafts, wait)
+
+    def stage_verify(self, batch, taps: bool = False) -> tuple:
+        """A verify's inputs, staged (host->device copies) now and launched by run_verify: a round stages its
+        verify before launching the draft chain, so nothing waits for the device between the two."""
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
@@ -360,11 +383,25 @@ class ModelRunner:
         args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
         if graphs is not None:
             self._ragged_graphs()
-            out = graphs(args, self._pools())
-        else:
-            out = self.vm[name](*args, *self._pools())
-        logits = self._cut(out[0].numpy())
-        return [logits[cu[i]:cu[i + 1]] for i in range(len(batch))], self._split_rows(out[1], cu, taps)
+        return name, graphs, args, cu
+
+    def run_verify(self, staged: tuple, drafts=None, wait: bool = True):
+        """Launch a staged verify: (the library's outputs, cu_seqlens); drafts as verify_device's."""
+        name, graphs, args, cu = staged
+        if drafts is not None:
+            assert self.inputs is not None
+            rows, where = drafts
+            k, b = (int(x) for x in rows.shape)
+            if b == 1:  # one sequence: its drafts are contiguous, one copy
+                rows._create_view((k,), "int32", 0).copyto(self.inputs.r_tokens.view((k,), where[0][1]))
+            else:
+                for j in range(k):
+                    for r, at in where:
+                        src = rows._create_view((1,), "int32", 4 * (j * b + r))
+                        src.copyto(self.inputs.r_tokens.view((1,), at + j))
+        if graphs is not None:
+            return graphs(args, self._pools(), wait=wait), cu
+        return self.vm[name](*args, *self._pools()), cu
 
     def _hidden_fn(self, name: str, taps: bool) -> str:
         if not taps:
@@ -375,7 +412,7 @@ class ModelRunner:
         return {"prefill_h": "prefill_t", "verify": "verify_t"}[name]
 
     @staticmethod
-    def _split_rows(hidden, cu, taps: bool) -> list:
+    def split_rows(hidden, cu, taps: bool) -> list:
         """Per-sequence rows of a [n, W] output: host arrays, or device row views for taps."""
         rows = DeviceRows(hidden) if taps else hidden.numpy()
         return [rows[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
@@ -387,19 +424,27 @@ class ModelRunner:
             if top >= len(s.pages) * self.page_size:
                 raise ValueError(f"MTP position {top} lies beyond the sequence's reserved pages")
 
-    def mtp_prefill(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]],
-                    shortlist: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-        """MTP rows for [(seq, hidden [m, D], next_tokens [m], first position)]: row j pairs the main hidden
-        at position p + j with the token at p + j + 1 and writes the head's KV at p + j. Returns the logits
-        ([b, V], or [b, len(shortlist)]) and output hidden [b, D] of each item's last row."""
-        seqs = [s for s, _, _, _ in items]
+    def _check_mtp_items(self, items, bounded: bool) -> list[int]:
+        """mtp_prefill's items checked (matching rows and tokens, positions, ids, the row bound); their row counts."""
         lens = [len(h) for _, h, _, _ in items]
         if any(n == 0 or len(t) != n for n, (_, _, t, _) in zip(lens, items)):
             raise ValueError("mtp_prefill needs matching, non-empty hidden rows and next tokens")
-        if shortlist is None:  # mtp_step_sl (draft rounds) has no row bound
+        if bounded:
             self._check_chunk(sum(lens))
-        self._check_mtp(seqs, [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
+        self._check_mtp([s for s, _, _, _ in items], [p + n - 1 for n, (_, _, _, p) in zip(lens, items)])
         self._check_tokens([t for _, _, t, _ in items])
+        return lens
+
+    def mtp_prefill(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]],
+                    shortlist: Optional[np.ndarray] = None, on_device: bool = False) -> tuple[Any, Any]:
+        """MTP rows for [(seq, hidden [m, D], next_tokens [m], first position)]: row j pairs the main hidden
+        at position p + j with the token at p + j + 1 and writes the head's KV at p + j. Returns the logits
+        ([b, V], or [b, len(shortlist)]) and output hidden [b, D] of each item's last row (on_device: the
+        library's output tensors, logits uncut, for a draft chain that stays on the device; no shortlist)."""
+        if on_device and shortlist is not None:
+            raise ValueError("a shortlisted MTP head returns shortlist columns; the device chain needs the full vocabulary")
+        seqs = [s for s, _, _, _ in items]
+        lens = self._check_mtp_items(items, bounded=shortlist is None)  # mtp_step_sl (draft rounds): no row bound
         hidden = np.ascontiguousarray(np.concatenate([h for _, h, _, _ in items]), np.float32)
         last = (np.cumsum(lens) - 1).astype(np.int32)
         assert self.inputs is not None  # allocate() made the input buffers
@@ -410,6 +455,8 @@ class ModelRunner:
             out = self.vm["mtp_step_sl"](*ragged, self.inputs.tensor(shortlist), self.mtp_kv_pool, self.params)
             return out[0].numpy()[last], out[1].numpy()[last]
         out = self.vm["mtp_prefill"](*ragged, rows_view, self.mtp_kv_pool, self.params)
+        if on_device:
+            return out[0], out[1]
         return self._cut(out[0].numpy()), out[1].numpy()
 
     def mtp_step(self, seqs: Sequence[SeqLike], hidden: np.ndarray, tokens, positions,
@@ -432,3 +479,49 @@ class ModelRunner:
                 out = self.vm["mtp_step"](*ragged, self.mtp_kv_pool, self.params)
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
+
+    def stage_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int) -> tuple:
+        """Stage a round's MTP draft chain (run_draft_chain launches it): mtp_prefill over items (as
+        mtp_prefill's: the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s
+        putting each row at the position after the previous one. Every host->device copy of the chain happens
+        here (TVM's wait for the device): stage the round's verify too before launching anything."""
+        if not self.has_mtp or self.chain is None:
+            raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
+        lens = self._check_mtp_items(items, bounded=True)
+        seqs = [s for s, _, _, _ in items]
+        first = [p + n for n, (_, _, _, p) in zip(lens, items)]  # the first chained step's positions
+        if steps > 1:
+            self._check_mtp(seqs, [f + steps - 2 for f in first])
+        chain, graphs = self.chain, self.mtp_graphs  # its graphs under the tag "chain" (other input buffers)
+        args = chain.stage(seqs, first, steps - 1, width_of=page_width_bucket if graphs is not None else None)
+        hidden = np.concatenate([h for _, h, _, _ in items])
+        pre = chain.stage_prefill(hidden, [t for _, _, t, _ in items], [p for _, _, _, p in items], args[4])
+        args[0] = chain.hidden_view(len(seqs), int(hidden.shape[1]))
+        if graphs is not None and chain.generation != self._chain_generation:
+            graphs.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
+            self._chain_generation = chain.generation
+        return steps, args, pre
+
+    def run_draft_chain(self, staged: tuple, choose):
+        """Launch a staged chain; choose(logits) -> [b] int32 device tensor picks a step's drafts (spec/
+        device_round.py DeviceArgmax); they and the step's output hidden feed the next step by device copies,
+        nothing is read back, and replays are not waited for, so the steps run back to back. Returns the
+        [steps, b] drafts view (valid until the next chain)."""
+        steps, args, pre = staged
+        chain, graphs = self.chain, self.mtp_graphs
+        assert chain is not None  # stage_draft_chain checked it
+        out = self.vm["mtp_prefill"](*pre, self.mtp_kv_pool, self.params)
+        # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
+        choose(out[0]).copyto(chain.drafts_row(0))
+        hid = out[1]
+        for s in range(steps - 1):
+            chain.drafts_row(s).copyto(args[1])
+            chain.positions_row(s).copyto(args[2])
+            hid.copyto(args[0])
+            if graphs is not None:
+                out = graphs(args, [self.mtp_kv_pool, self.params], wait=False, tag="chain")
+            else:
+                out = self.vm["mtp_step"](*args, self.mtp_kv_pool, self.params)
+            hid = out[1]
+            choose(out[0]).copyto(chain.drafts_row(s + 1))
+        return chain.drafts_rows(steps)

@@ -6,7 +6,8 @@ sampling   standard speculative rejection sampling: accept d_i with probability 
            on reject draw from norm(max(0, p - q)); all accepted -> bonus draw from p(row k). p and q are
            both `probs_after_processing` (temperature, top-k/p, min-p, bias, penalties over the history
            including the drafts accepted so far), so the output distribution is the target's.
-Both append what they keep to the row's sampling history.
+Both append what they keep to the row's sampling history. `accept_argmax` is the greedy rule over the target's
+argmax ids computed on the device (spec/device_round.py) for plainly greedy rows.
 """
 from __future__ import annotations
 
@@ -57,4 +58,20 @@ def accept(row: RowState, logits: np.ndarray, drafts: list[int], qs: list, sampl
             return out, i
     bonus = sampler.sample(logits[len(drafts): len(drafts) + 1], [row])  # appends to the history
     out.append(int(bonus[0]))
+    return out, len(drafts)
+
+
+def accept_argmax(row: RowState, target: np.ndarray, drafts: list[int]) -> tuple[list[int], int]:
+    """accept() for a plainly greedy row given the target's argmax of each verify row (target [len(drafts) + 1]
+    ids): the same tokens, with no logits on the host."""
+    out: list[int] = []
+    for i, d in enumerate(drafts):
+        t = int(target[i])
+        out.append(t)
+        row.append(t)
+        if t != d:
+            return out, i
+    t = int(target[len(drafts)])
+    out.append(t)
+    row.append(t)
     return out, len(drafts)

@@ -23,6 +23,9 @@ class Proposer(Protocol):
     # optional `before_round()`: called at the start of every round, before propose and the verify, whose
     # output buffers a CUDA-graph replay overwrites: a proposer holding device rows of the previous verify
     # consumes them there
+    # optional `stage_device(items)` / `launch_device(staged, argmax)`: greedy drafts chosen on the device (MTP:
+    # spec/mtp.py); stage does every host->device copy (or returns None: propose() then), launch returns the
+    # [k, rows] device drafts without reading them; the decoder stages the verify in between
 
     def after_prefill(self, items: list[tuple[Request, SpecState, int, np.ndarray]]) -> None:
         """items: (request, state, first position, hidden rows [n, D]) of a target prefill."""

@@ -13,20 +13,23 @@ attention only reads positions <= the query's, and those get rewritten.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import numpy as np
 
 from ..config import EngineConfig
 from ..executor.model_runner import ModelRunner
+from ..device_sampler import supports_device_sampler
 from ..kv.manager import KVManager
 from ..grammar import mask_logits
 from ..sampling import Sampler, log_softmax_top
 from ..scheduler.request import Request
 from ..scheduler.scheduler import DecodeWork, RowResult
 from ..stats import SpecCounters
-from .acceptance import accept, choose_draft
+from .acceptance import accept, accept_argmax, choose_draft
 from .base import Proposer
+from .device_round import DeviceArgmax, greedy_plain
 from .draft import DraftModelProposer
 from .forced import ForcedAcceptance
 from .mtp import MTPProposer, load_shortlist
@@ -55,8 +58,15 @@ def make_proposer(cfg: EngineConfig, runner: ModelRunner, kv: KVManager, eos_ids
 
 class SpeculativeDecoder:
     def __init__(self, runner: ModelRunner, kv: KVManager, proposer: Proposer, draft_tokens: int,
-                 sampler: Sampler, counters: SpecCounters, forced_acceptance: Optional[float] = None):
-        """forced_acceptance: BENCHMARK ONLY, tokens per round to force (spec/forced.py); None = lossless."""
+                 sampler: Sampler, counters: SpecCounters, forced_acceptance: Optional[float] = None,
+                 device_rounds: bool = True, refeed_max: Optional[int] = None):
+        """forced_acceptance: BENCHMARK ONLY, tokens per round to force (spec/forced.py); None = lossless.
+        device_rounds: plainly greedy rounds choose drafts (MTP) and accept on the device (spec/device_round.py)
+        when the library has the device sampler; off: every round on the host.
+        refeed_max: most rolled-back tokens a row re-feeds in a round that still drafts (default k + 1); past it
+        the round re-feeds without drafts. Every rejection adds the kept tokens to the pile and only a fully
+        accepted round (or a round without drafts) empties it, so a small bound costs rounds of one token and a
+        large one costs verify rows (nearly free while the verify stays in the decode GEMV's row range)."""
         self.runner, self.kv, self.proposer, self.k = runner, kv, proposer, draft_tokens
         self.sampler, self.counters = sampler, counters
         counters.backend, counters.draft_tokens_max = proposer.name, draft_tokens
@@ -67,6 +77,9 @@ class SpeculativeDecoder:
         self.hidden_kw = {"taps": True} if getattr(proposer, "target_hidden", "final") == "taps" else {}
         self.before_round = getattr(proposer, "before_round", None)
         self.states: dict[int, SpecState] = {}
+        self.refeed_max = draft_tokens + 1 if refeed_max is None else int(refeed_max)
+        self.argmax = DeviceArgmax(runner) if device_rounds and supports_device_sampler(runner.manifest, runner.vm) \
+            else None
 
     def state(self, req: Request) -> SpecState:
         st = self.states.get(req.rid)
@@ -83,7 +96,7 @@ class SpeculativeDecoder:
         st = self.state(req)
         if req.grammar is not None:
             return 0  # constrained requests decode without drafts (their one token is masked)
-        if len(st.unfed or ()) > self.k + 1:
+        if len(st.unfed or ()) > self.refeed_max:
             return 0  # a round without drafts consumes the re-fed tokens before they pile up
         k = min(self.k, room)
         return k if k > 0 and self.proposer.can_draft(req, st) else 0
@@ -94,6 +107,7 @@ class SpeculativeDecoder:
         st = self.states.get(req.rid)
         if st is None or st.round is None:
             return
+        t0 = time.perf_counter()
         rd, st.round = st.round, None
         self.counters.emitted_tokens += committed
         kept = committed - 1  # drafts kept (the last committed token is the correction / bonus)
@@ -108,6 +122,7 @@ class SpeculativeDecoder:
             st.unfed = rd.refed + [rd.pending] + rd.out[:kept]
         assert rd.hidden is not None  # round() stored the verify rows
         self.proposer.after_verify(req, st, rd.hidden[: kept + 1], kept, len(rd.drafts), rd.start)
+        self.counters.settle_s += time.perf_counter() - t0
 
     def release(self, req: Request) -> None:
         """The request ends or is preempted: drop its snapshot (a failed step may leave one) and the
@@ -145,6 +160,7 @@ class SpeculativeDecoder:
 
     def round(self, work: list[DecodeWork]) -> dict[int, RowResult]:
         c = self.counters
+        t_round = time.perf_counter()
         if self.before_round is not None:
             self.before_round()
         for w in work:
@@ -160,37 +176,141 @@ class SpeculativeDecoder:
                     snap = (slot, seq.length)
             st.round = RoundRecord(refed=w.feed[:-1], pending=w.feed[-1], drafts=[], out=[],
                                    start=seq.length + len(w.feed) - 1, snap=snap)
+        t = time.perf_counter()
+        c.snapshot_s += t - t_round
+        on_device = self._device_round(work)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
-        if drafting:
-            for (req, st, _), d in zip(drafting, self.proposer.propose(drafting, self._choose)):
-                assert st.round is not None  # opened above for every row
-                st.round.drafts = d
-                req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
-        logits, hidden = self.runner.verify([(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work],
-                                            **self.hidden_kw)
-        results = {}
-        for w, lg, hd in zip(work, logits, hidden):
-            req, st = w.req, self.state(w.req)
-            rd = self._record(req)
-            n_re = len(rd.refed)
-            lg, rd.hidden = lg[n_re:], hd[n_re:]  # rows of the pending token and the drafts
-            if req.grammar is not None:  # no drafts: the one token it samples follows the grammar
-                lg = mask_logits([req.grammar], lg)
-            if self.forced is not None and rd.drafts:  # benchmark profile: not the model's output
-                n_acc = self.forced.count(st, len(rd.drafts))
-                rd.out = self.forced.accept(req.row, lg, rd.drafts, n_acc, self.sampler)
-            else:
-                rd.out, n_acc = accept(req.row, lg, rd.drafts, st.qs, self.sampler)
-            p = req.params
-            want_lp = p.logprobs or p.top_logprobs > 0
-            lps = [log_softmax_top(lg[i], t, int(p.top_logprobs)) if want_lp else None for i, t in enumerate(rd.out)]
-            results[req.rid] = RowResult(list(rd.out), lps, fed=len(w.feed) + len(rd.drafts),
-                                         drafted=len(rd.drafts), accepted=n_acc)
+        chain = self._propose(drafting, on_device) if drafting else None
+        t, t0 = time.perf_counter(), t
+        c.propose_s += t - t0
+        batch = [(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work]
+        if on_device:
+            results = self._verify_accept_device(work, batch, t, chain, drafting)
+        else:
+            logits, hidden = self.runner.verify(batch, **self.hidden_kw)
+            t, t0 = time.perf_counter(), t
+            c.verify_s += t - t0
+            results = {}
+            for w, lg, hd in zip(work, logits, hidden):
+                results[w.req.rid] = self._accept_host(w, lg, hd)
+            c.accept_s += time.perf_counter() - t
+        for w in work:
+            rd = self._record(w.req)
             c.draft_tokens += len(rd.drafts)
-            c.accepted_tokens += n_acc
+            c.accepted_tokens += results[w.req.rid].accepted
             c.verify_tokens += len(w.feed) + len(rd.drafts)
-            c.recompute_tokens += n_re
+            c.recompute_tokens += len(rd.refed)
             c.no_draft_rounds += 0 if rd.drafts else 1
         c.rounds += 1
         c.row_rounds += len(work)
+        c.device_rounds += int(on_device)
+        c.round_s += time.perf_counter() - t_round
         return results
+
+    def _device_round(self, work: list[DecodeWork]) -> bool:
+        """Whether this round's drafts and acceptance run on the device: every row plainly greedy, and no
+        forced-acceptance row asking for logprobs (forced rows keep drafts that need not be the argmax)."""
+        if self.argmax is None:
+            return False
+        for w in work:
+            if not greedy_plain(w.req.row, w.req.grammar):
+                return False
+            if self.forced is not None and _wants_logprobs(w.req):
+                return False
+        return True
+
+    def _propose(self, drafting: list, on_device: bool):
+        """Drafts into every drafting row's record; when the proposer will choose them on the device, its chain is
+        staged and this returns the call that launches it (-> the [k, rows] device drafts); the records then hold
+        k placeholders, replaced once the round reads the device."""
+        stage_device = getattr(self.proposer, "stage_device", None)
+        launch_device = getattr(self.proposer, "launch_device", None)
+        if on_device and stage_device is not None and launch_device is not None:
+            staged = stage_device(drafting)
+            if staged is not None:
+                for _, st, k in drafting:
+                    assert st.round is not None  # opened for every row
+                    st.round.drafts, st.qs = [0] * k, [None] * k  # greedy: no draft distributions
+                argmax = self.argmax
+                return lambda: launch_device(staged, argmax)
+        drafts = self.proposer.propose(drafting, self._choose)
+        for (req, st, _), d in zip(drafting, drafts):
+            req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones
+            assert st.round is not None  # opened for every row
+            st.round.drafts = d
+        return None
+
+    def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float, chain,
+                              drafting: list) -> dict[int, RowResult]:
+        """The verify is staged, then the staged draft chain (chain) and the verify over its drafts are launched
+        without a wait, then the target's argmax of every row (and the logprobs rows ask for) on the device; the
+        ids are the round's one read of the device, the drafts come with it (the chain's and the verify's kernels
+        finish inside it: accept_s)."""
+        c = self.counters
+        staged = self.runner.stage_verify(batch, **self.hidden_kw)
+        drafts = None
+        if chain is not None:  # (chain row, index of its first draft among the verify's tokens)
+            first_draft, at = {}, 0
+            for w, (_, toks) in zip(work, batch):
+                first_draft[w.req.rid] = at + len(w.feed)
+                at += len(toks)
+            drafts = chain()
+            where = [(r, first_draft[req.rid]) for r, (req, _, _) in enumerate(drafting)]
+        logits, cu, hid = self.runner.verify_device(staged, None if drafts is None else (drafts, where))
+        lp_rows = np.zeros(int(cu[-1]), bool)
+        for i, w in enumerate(work):
+            if _wants_logprobs(w.req):
+                lp_rows[cu[i] + len(self._record(w.req).refed): cu[i + 1]] = True
+        assert self.argmax is not None  # _device_round checked it
+        out = self.argmax.run(logits, lp_rows.tolist() if lp_rows.any() else None)
+        t, t0 = time.perf_counter(), t
+        c.verify_s += t - t0
+        target = out[0].numpy()
+        if drafts is not None:
+            cols = drafts.numpy()
+            for r, (req, _, _) in enumerate(drafting):
+                self._record(req).drafts = [int(x) for x in cols[:, r]]
+        hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
+        lp_host = DeviceArgmax.read_logprobs(out) if lp_rows.any() else None
+        results = {}
+        for i, (w, hd) in enumerate(zip(work, hidden)):
+            req, st = w.req, self.state(w.req)
+            rd = self._record(req)
+            n_re = len(rd.refed)
+            rd.hidden = hd[n_re:]
+            tg = target[cu[i] + n_re: cu[i + 1]]
+            if self.forced is not None and rd.drafts:  # benchmark profile: not the model's output
+                n_acc = self.forced.count(st, len(rd.drafts))
+                rd.out = self.forced.accept_ids(req.row, tg, rd.drafts, n_acc)
+            else:
+                rd.out, n_acc = accept_argmax(req.row, tg, rd.drafts)
+            lps: list = [None] * len(rd.out)
+            if lp_host is not None and _wants_logprobs(req):  # the emitted tokens are the argmax of their rows
+                first = int(cu[i]) + n_re
+                lps = DeviceArgmax.logprobs_of(lp_host, range(first, first + len(rd.out)),
+                                               [req.params.top_logprobs] * len(rd.out))
+            results[req.rid] = RowResult(list(rd.out), lps, fed=len(w.feed) + len(rd.drafts),
+                                         drafted=len(rd.drafts), accepted=n_acc)
+        c.accept_s += time.perf_counter() - t
+        return results
+
+    def _accept_host(self, w: DecodeWork, lg: np.ndarray, hd) -> RowResult:
+        req, st = w.req, self.state(w.req)
+        rd = self._record(req)
+        n_re = len(rd.refed)
+        lg, rd.hidden = lg[n_re:], hd[n_re:]  # rows of the pending token and the drafts
+        if req.grammar is not None:  # no drafts: the one token it samples follows the grammar
+            lg = mask_logits([req.grammar], lg)
+        if self.forced is not None and rd.drafts:  # benchmark profile: not the model's output
+            n_acc = self.forced.count(st, len(rd.drafts))
+            rd.out = self.forced.accept(req.row, lg, rd.drafts, n_acc, self.sampler)
+        else:
+            rd.out, n_acc = accept(req.row, lg, rd.drafts, st.qs, self.sampler)
+        p = req.params
+        lps = [log_softmax_top(lg[i], t, int(p.top_logprobs)) if _wants_logprobs(req) else None
+               for i, t in enumerate(rd.out)]
+        return RowResult(list(rd.out), lps, fed=len(w.feed) + len(rd.drafts), drafted=len(rd.drafts), accepted=n_acc)
+
+
+def _wants_logprobs(req: Request) -> bool:
+    return bool(req.params.logprobs or req.params.top_logprobs > 0)

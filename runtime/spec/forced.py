@@ -36,3 +36,11 @@ class ForcedAcceptance:
         for d in drafts[:n]:
             row.append(d)
         return list(drafts[:n]) + [int(sampler.sample(logits[n: n + 1], [row])[0])]
+
+    @staticmethod
+    def accept_ids(row: RowState, target: np.ndarray, drafts: list[int], n: int) -> list[int]:
+        """accept() for a plainly greedy row given the target's argmax ids of the verify rows (device path)."""
+        out = list(drafts[:n]) + [int(target[n])]
+        for t in out:
+            row.append(t)
+        return out

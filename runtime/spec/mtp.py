@@ -114,6 +114,26 @@ class MTPProposer:
                 drafts[i].append(choose(items[i][0], logits[r], j))
         return drafts
 
+    def stage_device(self, items):
+        """propose() for plainly greedy rows with the chain on the device, part one: stage it (runner.
+        stage_draft_chain; launch_device runs it). None when the chain cannot run there (a shortlisted head, or
+        rows with different draft counts): propose() then."""
+        ks = {k for _, _, k in items}
+        if self.shortlist is not None or len(ks) != 1:
+            return None
+        known = [req.all_tokens() for req, _, _ in items]
+        staged = self.runner.stage_draft_chain(
+            [(req.seq, st.mtp_hidden, kn[st.mtp_pos + 1: st.mtp_pos + 1 + len(st.mtp_hidden)], st.mtp_pos)
+             for (req, st, _), kn in zip(items, known)], ks.pop())
+        for req, st, _ in items:
+            st.mtp_pos, st.mtp_hidden = pending_position(req, st), None
+        return staged
+
+    def launch_device(self, staged, argmax):
+        """Part two: every step's drafts are the device's argmax (spec/device_round.py DeviceArgmax) and feed the
+        next step there; nothing is read back. Returns the [k, rows] device drafts for the verify to consume."""
+        return self.runner.run_draft_chain(staged, lambda logits: argmax.run(logits)[0])
+
     def after_verify(self, req, st: SpecState, hidden: np.ndarray, kept: int, k: int, start: int) -> None:
         self._add_rows(st, start, hidden[: kept + 1])
 
