@@ -195,6 +195,15 @@ def kv_bytes_per_token(model_dir: Optional[str]) -> Optional[float]:
     return man.layout().page_bytes / man.page_size
 
 
+def state_slot_bytes(model_dir: Optional[str]) -> int:
+    """One recurrent-state slot (conv + SSM) of the model: a host-tier entry holds one beside its KV pages."""
+    if not read_manifest_json(model_dir):
+        return 0
+    from ninfer_mlc.contract.manifest import read_manifest
+
+    return int(read_manifest(model_dir, verify="none").layout().state_slot_bytes)
+
+
 def server_flags(a, model_dir: Optional[str]) -> tuple[list[str], dict]:
     """`ninfer serve` flags: the user's, plus (each only where the user set none) `active` concurrent
     sequences (default sessions - 1, so a session's request waits while others run and its KV is
@@ -223,7 +232,10 @@ def server_flags(a, model_dir: Optional[str]) -> tuple[list[str], dict]:
         sized["kv_capacity_tokens"] = cap
     per_tok = kv_bytes_per_token(model_dir)
     if flag_value(flags, "--host-kv-mib") is None and per_tok and str(cap).isdigit():
-        mib = int(max(0, total - int(cap)) * per_tok * 1.25 / 2 ** 20) + 256
+        # the KV beyond the device pool, plus the state slots the host tier keeps as its floor (ninfer serve
+        # --host-state-slots, default 8) and one per demoted entry (a waiting session: checkpoint + frontier)
+        slots = int(flag_value(flags, "--host-state-slots") or 8) + 2 * a.sessions
+        mib = int((max(0, total - int(cap)) * per_tok * 1.25 + slots * state_slot_bytes(model_dir)) / 2 ** 20) + 256
         flags += ["--host-kv-mib", str(mib)]
         sized["host_kv_mib"] = mib
     if flag_value(flags, "--pending-timeout-ms") is None:

@@ -159,7 +159,9 @@ def test_agent_server_flags_size_device_kv_below_total():
     assert int(serve_common.flag_value(flags, "--max-context")) == one + 1024
     assert int(serve_common.flag_value(flags, "--kv-capacity")) == 2 * one < 3 * one
     kv_per_token = 1024  # tiny model: 1 attention layer x K,V x 2 heads x 64 dims x f32
-    assert int(serve_common.flag_value(flags, "--host-kv-mib")) == int(one * kv_per_token * 1.25 / 2 ** 20) + 256
+    slots = (8 + 2 * 3) * agent_replay.state_slot_bytes(str(default_model_dir()))  # host floor + a waiting session's
+    assert slots > 0
+    assert int(serve_common.flag_value(flags, "--host-kv-mib")) == int((one * kv_per_token * 1.25 + slots) / 2 ** 20) + 256
     assert int(serve_common.flag_value(flags, "--pending-timeout-ms")) >= 600_000
     a = agent_replay.build_parser().parse_args(["--serve-args", "--kv-capacity 5000 --max-concurrency=1"])
     flags, sized = agent_replay.server_flags(a, str(default_model_dir()))
