@@ -45,6 +45,10 @@ Q27B = {
 PAGE = 64
 
 
+# rows one prefill call of the bench libraries takes (their memory is planned for it: compile/memory_bounds.py);
+# the bench prefills 8k prompts in one call and longer ones in chunks of this size
+PREFILL_ROWS = 8192
+
 def _bf16():
     import ml_dtypes
 
@@ -344,7 +348,7 @@ def _prep_27b(a, out: Path, arch: str):
 
     cfg = parse_config(Q27B)
     t1 = time.time()
-    specs = build_library(cfg, a.dtype, parse_target("cuda:" + arch), out / "q27b.so")
+    specs = build_library(cfg, a.dtype, parse_target("cuda:" + arch), out / "q27b.so", max_rows=PREFILL_ROWS)
     (out / "q27b.json").write_text(json.dumps({
         "config": cfg.to_dict(), "params": specs, "arch": arch, "dtype": a.dtype, "build_seconds": time.time() - t1,
         "schedule": gpu_pipeline.schedule_for(parse_target("cuda:" + arch).tvm_target()),

@@ -215,7 +215,8 @@ def prep_35b(out: Path, arch: str) -> None:
     for tag, wq in FORMATS.items():
         t1 = time.time()
         name = "q35b" if tag == "bf16" else f"q35b_{tag}"
-        specs = build_library(cfg, "bfloat16", parse_target("cuda:" + arch), out / f"{name}.so", weight_quant=wq)
+        specs = build_library(cfg, "bfloat16", parse_target("cuda:" + arch), out / f"{name}.so", weight_quant=wq,
+                              max_rows=gpu_bench.PREFILL_ROWS)
         (out / f"{name}.json").write_text(json.dumps({
             "config": cfg.to_dict(), "params": specs, "arch": arch, "dtype": "bfloat16", "weights": tag,
             "build_seconds": time.time() - t1, "schedule_report": gpu_pipeline.last_report()}, indent=1))
