@@ -326,6 +326,11 @@ def test_redundant_entries_of_an_agent_session():
     # another session's frontier sharing only a system prompt is not stale for this one
     other = _entry(4, "frontier", hist[:100] + [9] * 400, 0.5, session="t")
     assert not redundant(other, [c1, f1, c2, other])
+    # a shared prefix (another session's, or no session key) that a conversation extends stays: others branch off it
+    shared = _entry(7, "checkpoint", hist[:300], 0.2, session=None)
+    assert not redundant(shared, [shared, c1, c2])
+    c0 = _entry(8, "checkpoint", hist[:300], 0.3, session="t")
+    assert not redundant(c0, [c0, c1, c2])
     # a different identity (template mode / media) never makes an entry redundant
     c2b = _entry(5, "checkpoint", c2.tokens, 3.0, seed=8)
     assert not redundant(c1, [c1, c2b])

@@ -39,8 +39,9 @@ def _common_prefix(a: Entry, b: Entry) -> int:
 
 def redundant(e: Entry, others: Sequence[Entry]) -> bool:
     """An entry worth less than the bytes and the slot it holds, given the others:
-      - a later entry extends it, and either it is a frontier or the later one is a checkpoint (the
-        conversation moved past it: the next turn's checkpoint covers the previous one);
+      - a later entry of the same session extends it, and either it is a frontier or the later one is a
+        checkpoint (the conversation moved past it: the next turn's checkpoint covers the previous one); across
+        sessions, or without a session key, a shorter entry may be the shared prefix of other conversations;
       - a frontier whose own checkpoint holds >= 90 % of it (losing it costs at most the generated tail);
       - a frontier of a session whose later entry shares >= half of it and then diverges (the client
         dropped the reasoning or edited the tail: the frontier cannot match that conversation again).
@@ -50,7 +51,8 @@ def redundant(e: Entry, others: Sequence[Entry]) -> bool:
         if f is e or f.seed != e.seed:
             continue
         later = f.created > e.created
-        if later and _covers(f, e) and (e.kind == "frontier" or f.kind == "checkpoint"):
+        same_session = bool(e.session_key) and f.session_key == e.session_key
+        if same_session and later and _covers(f, e) and (e.kind == "frontier" or f.kind == "checkpoint"):
             return True
         if e.kind != "frontier":
             continue
