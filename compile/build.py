@@ -75,7 +75,7 @@ def _fp4_mma_options(target: TargetSpec) -> dict:
 def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Path, kv_dtype: str | None = None,
                   kv_hadamard: bool = False, mtp: bool = False, weight_quant: str | None = None,
                   fp4_mma: bool = False, multimodal: bool = False, tap_layers: tuple = (),
-                  max_rows: int = DEFAULT_MAX_ROWS) -> list:
+                  max_rows: int = DEFAULT_MAX_ROWS, fp4_qk: bool = True) -> list:
     """Export the relax module, build it for the target, write the shared library.
 
     fp4_mma: NVFP4 projections run prefill rows on the block-scaled FP4 tensor cores
@@ -87,18 +87,20 @@ def build_library(cfg: ModelConfig, dtype: str, target: TargetSpec, lib_path: Pa
     Returns the parameter list [(name, shape, dtype)] in call order. Set NINFER_LIB_CACHE to a
     directory to reuse libraries of identical geometry (compile/libcache.py; the test suite does).
     """
+    from .kernels.cuda.registry import fp4_qk_default, fp4_qk_scope
     from .kernels.dequant import fp4_mma_scope
 
     kv_dtype = kv_dtype or dtype
+    fp4_qk_off = not fp4_qk and target.kind == "cuda" and fp4_qk_default(target.arch, kv_dtype)
     if fp4_mma and not fp4_mma_default(target, weight_quant):
         raise ConfigError("--fp4-mma on needs --target cuda:sm_120 and --quant nvfp4")
     key = libcache.library_key(cfg, dtype, target, kv_dtype, kv_hadamard, mtp, weight_quant, fp4_mma, multimodal,
-                                tap_layers, max_rows)
+                                tap_layers, max_rows) + ("-nofp4qk" if fp4_qk_off else "")
 
     def export():
         # inside the target scope: the CUDA kernel set reads the arch (schedule file, arch-only kernels)
         arch_scope = target.tvm_target() if target.kind == "cuda" else contextlib.nullcontext()
-        with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), arch_scope:
+        with fp4_mma_scope(_fp4_mma_options(target) if fp4_mma else None), fp4_qk_scope(not fp4_qk_off), arch_scope:
             model = Qwen3xForCausalLM(cfg, dtype, target.kind, kv_dtype, kv_hadamard, mtp=mtp,
                                       weight_quant=weight_quant, multimodal=multimodal, tap_layers=tap_layers)
         mod, pspec = model.export_tvm(spec=model.export_spec())
@@ -134,9 +136,12 @@ def write_weights(params: dict[str, np.ndarray], out_dir: Path, progress: Progre
 def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32", max_context: int | None = None,
                   out_dir: str | Path | None = None, name: str | None = None, rope_overrides: dict | None = None,
                   kv_dtype: str | None = None, kv_hadamard: bool = False, fp4_mma: str | bool | None = None,
-                  random_weights: int | None = None, vision: bool = True, tap_layers: str | list | None = None,
-                  max_prefill_chunk: int | None = None, log=print, progress: Progress = SILENT) -> Path:
+                  fp4_qk: str | bool | None = None, random_weights: int | None = None, vision: bool = True,
+                  tap_layers: str | list | None = None, max_prefill_chunk: int | None = None, log=print,
+                  progress: Progress = SILENT) -> Path:
     """fp4_mma: "on" / "off" / None (default: on for cuda:sm_120 + --quant nvfp4).
+    fp4_qk: "on" / "off" / None (default: on for cuda:sm_120 + --kv-dtype nvfp4): nvfp4 pages' decode attention
+    computes Q K^T on the block-scaled FP4 tensor cores (Q quantized to NVFP4 on the fly).
     random_weights: a seed -> a benchmark artifact without converted weights: only config.json (and the
     tokenizer files) are read, the rope tables are stored, every other parameter is drawn on the device at
     load time (runtime/executor/random_weights.py). Labelled in the manifest; `ninfer serve` refuses it
@@ -155,8 +160,9 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
 
     if is_drafter_config(read_raw_config(model_dir)):
         if tap_layers is not None or rope_overrides and any(v is not None for v in rope_overrides.values()) \
-                or kv_dtype is not None or kv_hadamard or fp4_mma not in (None, "auto", "off", False):
-            raise ConfigError(f"{model_dir} is a DFlash drafter: --tap-layers, --kv-dtype, --kv-hadamard, --fp4-mma "
+                or kv_dtype is not None or kv_hadamard or fp4_mma not in (None, "auto", "off", False) \
+                or fp4_qk not in (None, "auto", "off", False):
+            raise ConfigError(f"{model_dir} is a DFlash drafter: --tap-layers, --kv-dtype, --kv-hadamard, --fp4-mma, --fp4-qk "
                               "and rope overrides apply to target models only")
         from .dflash.build import compile_drafter
 
@@ -181,6 +187,17 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
     if kv_dtype is not None and kv_dtype not in KV_DTYPES:
         raise ConfigError(f"--kv-dtype {kv_dtype!r} is not supported; use one of {sorted(KV_DTYPES)}")
     kv = KV_DTYPES[kv_dtype] if kv_dtype else dtype
+    from .kernels.cuda.registry import fp4_qk_default
+
+    qk_possible = tspec.kind == "cuda" and fp4_qk_default(tspec.arch, kv)
+    if fp4_qk in (None, "auto"):
+        use_fp4_qk = qk_possible
+    elif fp4_qk in (True, False, "on", "off"):
+        use_fp4_qk = fp4_qk in (True, "on")
+    else:
+        raise ConfigError(f"--fp4-qk {fp4_qk!r}: use on or off")
+    if use_fp4_qk and not qk_possible:
+        raise ConfigError("--fp4-qk on needs --target cuda:sm_120 and --kv-dtype nvfp4")
     if kv == "nvfp4" and cfg.head_dim % 16:
         raise ConfigError(f"--kv-dtype nvfp4 needs head_dim % 16 == 0 (head_dim is {cfg.head_dim})")
     if kv != dtype and tspec.kind not in ("llvm", "cuda"):
@@ -220,7 +237,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         vcfg = None  # a VLM config whose checkpoint was saved text-only (or a text-only benchmark artifact)
     with progress.step(f"build {tspec.name} library"):
         specs = build_library(cfg, dtype, tspec, out / lib_rel, kv, kv_hadamard, mtp=mtp, weight_quant=weight_quant,
-                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps, max_rows=max_rows)
+                              fp4_mma=use_fp4_mma, multimodal=vcfg is not None, tap_layers=taps, max_rows=max_rows,
+                              fp4_qk=use_fp4_qk)
     log(f"built {tspec.name} library in {time.time() - t0:.1f}s")
 
     t1 = time.time()
@@ -252,7 +270,7 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
-                "fp4_mma": bool(use_fp4_mma), "device_sampler": SAMPLER_ABI_VERSION,
+                "fp4_mma": bool(use_fp4_mma), "fp4_qk": bool(use_fp4_qk), "device_sampler": SAMPLER_ABI_VERSION,
                 "max_prefill_chunk": max_rows,
                 **({"tap_layers": list(taps)} if taps else {}),
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),

@@ -45,6 +45,11 @@ class CompileOptions:
                                       "(activations quantized to NVFP4 on the fly, per-token scale), decode rows keep "
                                       "the dequant GEMV", choices=("on", "off"),
                                 default_text="on for --target cuda:sm_120 --quant nvfp4, else off (needs both)")
+    fp4_qk: Optional[str] = _f(None, "NVFP4 KV pages: decode attention computes Q K^T on the sm_120a block-scaled FP4 "
+                                     "tensor cores straight from the page bytes (Q quantized to NVFP4 per 16 values on "
+                                     "the fly: attention outputs differ from the dequantized-K path's by ~9 %% relative "
+                                     "L2 on random data, bench/fp4_attn_accuracy.py)", choices=("on", "off"),
+                               default_text="on for --target cuda:sm_120 --kv-dtype nvfp4, else off (needs both)")
     rope_scaling_type: Optional[str] = _f(None, "context extension exactly as transformers' rope type of that name",
                                           choices=("linear", "yarn"), default_text="config.json's")
     rope_scaling_factor: Optional[float] = _f(None, "rope scaling factor (--max-context may go up to original x factor)",
@@ -72,7 +77,7 @@ class CompileOptions:
     def compile_kwargs(self) -> dict:
         """Keyword arguments of compile.build.compile_model (after `resolved()`)."""
         return {"target": self.target, "quant": self.quant, "kv_dtype": self.kv_dtype, "max_context": self.max_context,
-                "kv_hadamard": self.kv_hadamard, "fp4_mma": self.fp4_mma, "tap_layers": self.tap_layers,
+                "kv_hadamard": self.kv_hadamard, "fp4_mma": self.fp4_mma, "fp4_qk": self.fp4_qk, "tap_layers": self.tap_layers,
                 "max_prefill_chunk": self.max_prefill_chunk,
                 "rope_overrides": {"scaling_type": self.rope_scaling_type, "factor": self.rope_scaling_factor,
                                    "original_context": self.rope_scaling_original_context}}

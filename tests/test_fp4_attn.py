@@ -60,6 +60,23 @@ def test_fp4_qk_selection():
         assert "fp4_qk" not in kernel_set(kv, arch=arch).paged_attention.keywords
 
 
+def test_fp4_qk_flag():
+    """`ninfer compile --fp4-qk off` keeps the dequantized-K path on sm_120; `on` is refused where it cannot run."""
+    from ninfer_mlc.compile.build import compile_model
+    from ninfer_mlc.compile.config import ConfigError
+    from ninfer_mlc.compile.kernels.cuda.registry import fp4_qk_scope, kernel_set
+    from ninfer_mlc.paths import default_model_dir
+
+    with fp4_qk_scope(False):
+        assert "fp4_qk" not in kernel_set("nvfp4", arch="sm_120").paged_attention.keywords
+    assert kernel_set("nvfp4", arch="sm_120").paged_attention.keywords["fp4_qk"] is True
+    for target, kv in (("cuda:sm_90", "nvfp4"), ("cuda:sm_120", "fp8"), ("llvm", "nvfp4")):
+        with pytest.raises(ConfigError, match="--fp4-qk on needs"):
+            compile_model(default_model_dir(), target=target, kv_dtype=kv, fp4_qk="on")
+    with pytest.raises(ConfigError, match="--fp4-qk 'maybe'"):
+        compile_model(default_model_dir(), target="cuda:sm_120", kv_dtype="nvfp4", fp4_qk="maybe")
+
+
 def test_other_kernels_unchanged():
     """fp4_qk changes nothing where it is not asked for: the sm_90 set's nvfp4 kernel is today's."""
     from ninfer_mlc.compile.kernels.cuda.emulate import cuda_source

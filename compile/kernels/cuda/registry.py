@@ -10,8 +10,10 @@ arch's file; arch-specific kernels (ARCH_ONLY: the wgmma prefill GEMM) are left 
 """
 from __future__ import annotations
 
+import contextvars
 import json
 import os
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,6 +51,23 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
 ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
 # arches whose nvfp4 attention takes the block-scaled FP4 QK (mma kind::mxf4nvf4: sm_120a, the RTX 50xx cubins)
 FP4_QK_ARCHES = ("sm_120",)
+# Off inside fp4_qk_scope(False) (`ninfer compile --fp4-qk off`): nvfp4 pages keep the dequantized-K path on sm_120 too
+_FP4_QK: contextvars.ContextVar = contextvars.ContextVar("ninfer_fp4_qk", default=True)
+
+
+@contextmanager
+def fp4_qk_scope(enabled: bool):
+    """Whether kernel sets made inside compute Q K^T of nvfp4 pages on the FP4 tensor cores (where they can)."""
+    tok = _FP4_QK.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _FP4_QK.reset(tok)
+
+
+def fp4_qk_default(arch: str | None, kv_dtype: str | None) -> bool:
+    """Where the FP4 QK runs unless turned off: sm_120 (sm_120a cubins) with nvfp4 KV pages."""
+    return arch in FP4_QK_ARCHES and kv_dtype == "nvfp4"
 
 
 def current_arch() -> str:
@@ -103,7 +122,7 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
     return SimpleNamespace(
         # fp4_qk: nvfp4 pages on sm_120 (sm_120a cubins) compute Q K^T on the block-scaled FP4 tensor cores
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"],
-                                **({"fp4_qk": True} if arch in FP4_QK_ARCHES and kv_dtype == "nvfp4" else {})),
+                                **({"fp4_qk": True} if fp4_qk_default(arch, kv_dtype) and _FP4_QK.get() else {})),
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
         chunked_delta_rule=chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
