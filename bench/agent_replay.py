@@ -186,22 +186,25 @@ def run_turn(url: str, headers: dict, s: Session, counter: PromptTokens, a, dead
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
-def kv_bytes_per_token(model_dir: Optional[str]) -> Optional[float]:
+def _layout(model_dir: Optional[str]):
+    """The compiled model's pool layout (manifest), or None without a manifest (e.g. --url)."""
     if not read_manifest_json(model_dir):
         return None
     from ninfer_mlc.contract.manifest import read_manifest
 
     man = read_manifest(model_dir, verify="none")
-    return man.layout().page_bytes / man.page_size
+    return man.layout(), man.page_size
+
+
+def kv_bytes_per_token(model_dir: Optional[str]) -> Optional[float]:
+    got = _layout(model_dir)
+    return None if got is None else got[0].page_bytes / got[1]
 
 
 def state_slot_bytes(model_dir: Optional[str]) -> int:
     """One recurrent-state slot (conv + SSM) of the model: a host-tier entry holds one beside its KV pages."""
-    if not read_manifest_json(model_dir):
-        return 0
-    from ninfer_mlc.contract.manifest import read_manifest
-
-    return int(read_manifest(model_dir, verify="none").layout().state_slot_bytes)
+    got = _layout(model_dir)
+    return 0 if got is None else int(got[0].state_slot_bytes)
 
 
 def server_flags(a, model_dir: Optional[str]) -> tuple[list[str], dict]:

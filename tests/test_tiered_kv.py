@@ -138,11 +138,16 @@ def test_no_space_on_host_falls_back_to_eviction():
 
 
 # ---- the seal-window race -------------------------------------------------------------------
-def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
-    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=4)
-    host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
+def _attached_runner(num_slots: int):
+    """A tiny-model harness with a prefix cache and a 16 MiB host tier attached: (runner, cache, kv manager)."""
+    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=num_slots)
     cache = PrefixCache()
-    kv = runner.attach(cache, host)
+    kv = runner.attach(cache, HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY))
+    return runner, cache, kv
+
+
+def test_demote_between_assess_and_seal_is_detected_and_restore_stays_exact():
+    runner, cache, kv = _attached_runner(num_slots=4)
     seed = identity_seed("x")
     rng = np.random.default_rng(1)
     toks = rng.integers(0, 1900, size=150).tolist()
@@ -182,10 +187,7 @@ def test_slot_for_a_hit_never_moves_the_hit_and_moves_the_fewest_bytes():
     """Both state slots held by cached entries: admitting a request that extends the long one claims it first,
     then frees a slot by demoting the short entry (not the long prefix about to be restored, which the
     old order demoted to the host and copied straight back)."""
-    runner = Harness(ART, kv_capacity_tokens=1024, num_slots=2)
-    host = HostTier(runner, 16, 2, 0, meminfo_reader=PLENTY)
-    cache = PrefixCache()
-    kv = runner.attach(cache, host)
+    runner, cache, kv = _attached_runner(num_slots=2)
     seed = identity_seed("x")
     rng = np.random.default_rng(2)
     long_t, short_t = rng.integers(0, 1900, size=300).tolist(), rng.integers(0, 1900, size=20).tolist()

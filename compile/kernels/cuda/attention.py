@@ -108,7 +108,7 @@ from ..attention_quant import (
     FP8_ROW_PAD, QUANT_KV_DTYPES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_decode_abs, e4m3_encode,
     e4m3_encode_abs, kv_row, pow2_from_e8m0,
 )
-from .fp4_mma import a_frag, b_frag, row_encode_scale, sfa_row
+from .fp4_mma import a_frag, b_frag, mma_nvf4_source, row_encode_scale, sfa_row
 
 NEG_BIG = -3.0e38
 NVFP4_BLOCK = 16
@@ -207,17 +207,8 @@ __forceinline__ __device__ float ninfer_attn_h2f(unsigned h) {
 # fp4_qk (sm_120a): S = Q K^T on the block-scaled FP4 tensor cores, D[16x8] += (A x SFA)(B x SFB) with A = Q (16 rows =
 # heads, 64 columns), B = K^T (64 columns x 8 positions), E2M1 operands and UE4M3 scales per 16 k (fragment layouts:
 # fp4_mma.py a_frag / b_frag / sfa_row / sfb_col / c_frag); the C fragment is the m16n8k16 one the softmax reads
-MMA_NVF4_FN, MMA_NVF4_SRC = "ninfer_attn_mma_nvf4", _dev_src("""
-__forceinline__ __device__ void ninfer_attn_mma_nvf4(float* d, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                                     unsigned b0, unsigned b1, unsigned sfa, unsigned sfb) {
-  asm volatile(
-    "mma.sync.aligned.kind::mxf4nvf4.block_scale.scale_vec::4X.m16n8k64.row.col.f32.e2m1.e2m1.f32.ue4m3 "
-    "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3}, {%10}, {%11,%12}, {%13}, {%14,%15};\\n"
-    : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-    : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1),
-      "r"(sfa), "h"((unsigned short)0), "h"((unsigned short)0),
-      "r"(sfb), "h"((unsigned short)0), "h"((unsigned short)0));
-}""")
+MMA_NVF4_FN = "ninfer_attn_mma_nvf4"
+MMA_NVF4_SRC = _dev_src(mma_nvf4_source(MMA_NVF4_FN))
 # 4-byte load through the read-only path (fp4_qk: the K code words of a B fragment are 4-byte pieces of the row)
 LD4_FN, LD4_SRC = "ninfer_attn_ld4", _dev_src("""
 __forceinline__ __device__ unsigned ninfer_attn_ld4(const void* p) {

@@ -62,8 +62,8 @@ __device__ __forceinline__ unsigned ninfer_ld_u32(const unsigned char* p) {
   return *reinterpret_cast<const unsigned*>(p);
 }
 """
-_MMA_NVF4 = r"""
-__device__ __forceinline__ void ninfer_mma_nvf4(float* d, unsigned a0, unsigned a1, unsigned a2,
+_MMA_NVF4_TEMPLATE = r"""
+__device__ __forceinline__ void NAME(float* d, unsigned a0, unsigned a1, unsigned a2,
     unsigned a3, unsigned b0, unsigned b1, unsigned sfa, unsigned sfb) {
   // D += (A * SFA) (B * SFB); A 16x64 row, B 64x8 col, E2M1 with UE4M3 scales per 16 K (sm_120a)
   asm volatile(
@@ -75,6 +75,15 @@ __device__ __forceinline__ void ninfer_mma_nvf4(float* d, unsigned a0, unsigned 
       "r"(sfb), "h"((unsigned short)0), "h"((unsigned short)0));
 }
 """
+
+
+def mma_nvf4_source(name: str) -> str:
+    """CUDA text of the device function `name(d, a0..a3, b0, b1, sfa, sfb)`: one block-scaled m16n8k64 FP4 MMA
+    with the fragment layouts above (the NVFP4 GEMM here and the sm_120 attention's Q K^T share it)."""
+    return _MMA_NVF4_TEMPLATE.replace("NAME", name)
+
+
+_MMA_NVF4 = mma_nvf4_source("ninfer_mma_nvf4")
 
 
 def _u32(v):
