@@ -32,6 +32,7 @@ Commands:
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv_nvfp4.json --weight nvfp4   # NVFP4 + bf16 baseline
   NVFP4 variants alone (old vs new, 5 shapes x n=1,4,8,13; ~4-5 min):
   .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv4 --arch sm_90        # ~5.5 min here, 3.9 MB
+  (prep takes the same --weight / --variants filters as run: build only what one call will run)
   python3 bench/gemv_gpu_check.py run .gpu/gemv4 $OUT/gemv_nvfp4.json --weight nvfp4
 """
 from __future__ import annotations
@@ -104,6 +105,26 @@ NVFP4_VARIANTS = {
     "rt2": {"row_tiles": 2, "stages": 0},
     "pf": {"stages": 0, "prefetch": True},
     "rt2-pf-u1": {"row_tiles": 2, "stages": 0, "prefetch": True, "unroll": 1},
+    # xl = x late: each step's x words loaded at its mma chain, so only weight codes wait in registers
+    "xl": {"x_late": True},
+    "xl-u4": {"x_late": True, "unroll": 4},
+    "rt2-xl": {"row_tiles": 2, "x_late": True},
+    "rt2-xl-u4": {"row_tiles": 2, "x_late": True, "unroll": 4},
+    "rt4-xl-u1": {"row_tiles": 4, "x_late": True, "unroll": 1},
+    "pf-xl": {"prefetch": True, "x_late": True},
+    "pf-xl-u4": {"prefetch": True, "x_late": True, "unroll": 4},
+    "rt2-pf-xl-u1": {"row_tiles": 2, "prefetch": True, "x_late": True, "unroll": 1},
+    "rt2-pf-xl": {"row_tiles": 2, "prefetch": True, "x_late": True},
+    # tma = a producer warp streams stages of all compute warps' rows into a shared-memory ring (bulk copies on
+    # mbarriers); w = at least that many compute warps per block
+    "tma4": {"tma_stages": 4},
+    "tma4-w4": {"tma_stages": 4, "min_warps": 4},
+    "tma6-w4": {"tma_stages": 6, "min_warps": 4},
+    "tma4-w4-u4": {"tma_stages": 4, "min_warps": 4, "unroll": 4},
+    "tma3-w8": {"tma_stages": 3, "min_warps": 8},
+    "rt2-tma4": {"row_tiles": 2, "tma_stages": 4},
+    "rt2-tma4-w4": {"row_tiles": 2, "tma_stages": 4, "min_warps": 4},
+    "rt2-tma6-w2": {"row_tiles": 2, "tma_stages": 6, "min_warps": 2},
     "b-rt2": {"big_row_tiles": 2},
     "b-pf": {"big_prefetch": True},
 }
@@ -170,7 +191,7 @@ def cmd_prep(a) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = _cases()
+    cases = [c for c in _cases() if _selected(c, _cases(), a)]
     tgt = parse_target("cuda:" + a.arch).tvm_target()
     t = time.time()
     with cuda_build_env(tgt):
@@ -437,9 +458,10 @@ def cmd_build27b(a) -> int:
 
 def main(argv=None) -> int:
     ap, sub, p, r = gc.prep_run_parser(__doc__)
-    r.add_argument("--weight", choices=("all", "bf16", "nvfp4"), default="all",
-                   help="nvfp4: the NVFP4 cases and the bf16 default-variant cases of the same shapes")
-    r.add_argument("--variants", default="", help="comma-separated variant names to run (default: all)")
+    for q in (p, r):  # prep builds (and run runs) only the selected cases
+        q.add_argument("--weight", choices=("all", "bf16", "nvfp4"), default="all",
+                       help="nvfp4: the NVFP4 cases and the bf16 default-variant cases of the same shapes")
+        q.add_argument("--variants", default="", help="comma-separated variant names (default: all)")
     m = sub.add_parser("emulate")
     m.add_argument("--quick", action="store_true")
     b = sub.add_parser("build27b")

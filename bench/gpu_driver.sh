@@ -29,7 +29,7 @@ for step in "$@"; do
     gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
     nvfp4) [ -d ${NVFP4_PREP:-.gpu/dq} ] && run nvfp4 200 python3 bench/nvfp4_prefill_check.py run ${NVFP4_PREP:-.gpu/dq} $OUT/nvfp4.json ;;
     attn) [ -d .gpu/attn ] && run attn ${ATTN_TIMEOUT:-150} python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ${ATTN_ARGS:-} ;;
-    gemv) [ -d .gpu/gemv ] && run gemv 150 python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json ${GEMV_ARGS:-} ;;
+    gemv) [ -d ${GEMV_DIR:-.gpu/gemv} ] && run gemv ${GEMV_TIMEOUT:-150} python3 bench/gemv_gpu_check.py run ${GEMV_DIR:-.gpu/gemv} $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
     sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;

@@ -123,6 +123,49 @@ _CP_COMMIT_SRC = ('__device__ __forceinline__ void ninfer_gemv_cp_commit() { asm
                   '::: "memory"); }\n')
 
 
+# TMA ring (NVFP4 n <= 8 launch, `tma_stages`): a producer warp's lane streams each stage's weight rows into shared
+# memory with bulk copies completing on the stage's "full" mbarrier; the consumer warps wait on it, read their
+# fragments, and arrive on its "empty" mbarrier, which the producer waits on before refilling the stage. The bytes in
+# flight are bounded by the ring, not by the registers of warps that stall on DRAM latency.
+_SMEM = "(unsigned)__cvta_generic_to_shared"
+# barriers [0, stages) "full" (1 arrival + the stage's bytes), [stages, 2 stages) "empty" (consumer arrivals); the
+# ring pointer is passed so that the launch's dynamic shared memory covers all of it
+_TMA_INIT = "ninfer_gemv_tma_init"
+_TMA_INIT_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_tma_init(void* bars, int stages, unsigned consumers, void* ring) {\n"
+    "  (void)ring;\n"
+    "  unsigned long long* b = (unsigned long long*)bars;\n"
+    "  for (int s = 0; s < 2 * stages; ++s)\n"
+    f'    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" :: "r"({_SMEM}(b + s)), '
+    '"r"(s < stages ? 1u : consumers) : "memory");\n'
+    '  asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");\n'
+    '  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");\n'
+    "}\n")
+_TMA_EXPECT = "ninfer_gemv_tma_expect"
+_TMA_EXPECT_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_tma_expect(void* bar, unsigned bytes) {\n"
+    f'  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" :: "r"({_SMEM}(bar)), "r"(bytes) '
+    ': "memory");\n'
+    "}\n")
+_TMA_LOAD = "ninfer_gemv_tma_load"
+_TMA_LOAD_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_tma_load(void* dst, const void* src, unsigned bytes, void* bar) {\n"
+    '  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\\n"\n'
+    f'               :: "r"({_SMEM}(dst)), "l"(src), "r"(bytes), "r"({_SMEM}(bar)) : "memory");\n'
+    "}\n")
+_TMA_WAIT = "ninfer_gemv_tma_wait"
+_TMA_WAIT_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_tma_wait(void* bar, unsigned parity) {\n"
+    '  asm volatile("{\\n .reg .pred p;\\n WAIT:\\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\\n"\n'
+    f'               " @!p bra WAIT;\\n}}\\n" :: "r"({_SMEM}(bar)), "r"(parity) : "memory");\n'
+    "}\n")
+_TMA_ARRIVE = "ninfer_gemv_tma_arrive"
+_TMA_ARRIVE_SRC = (
+    "__device__ __forceinline__ void ninfer_gemv_tma_arrive(void* bar) {\n"
+    f'  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" :: "r"({_SMEM}(bar)) : "memory");\n'
+    "}\n")
+
+
 def _cp_wait(pending: int) -> tuple[str, str]:
     """cp.async.wait_group <pending>: (name, source)."""
     name = f"ninfer_gemv_cp_wait{pending}"
@@ -585,12 +628,12 @@ def nvfp4_row_tiles(O: int) -> int:
 
 
 def nvfp4_grid(K: int, O: int, epilogue: str, *, unroll: int, row_tiles: int, prefetch: bool, min_warps: int,
-               max_warps: int, target_warps: int, sms: int) -> tuple[int, int, int]:
+               max_warps: int, target_warps: int, sms: int, x_late: bool = False) -> tuple[int, int, int]:
     """(blocks, warps per block, min blocks per SM) of the NVFP4 tensor-core launch: blocks of row_tiles 16-row
     tiles, mma_warps for that many blocks (target_warps counts warps over the grid)."""
     tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
     blocks = (tiles + row_tiles - 1) // row_tiles
-    regs = nvfp4_min_regs(row_tiles, prefetch)
+    regs = nvfp4_min_regs(row_tiles, prefetch, x_late)
     if row_tiles > 1 or prefetch:
         # about target_warps warps over the grid (round(target_warps / blocks) per block: mma_warps' floor of
         # target_warps // tiles would halve gate_up's), each with row_tiles x the bytes in flight, and no more
@@ -620,11 +663,11 @@ def nvfp4_stages(stages: int, K: int, nw: int, unroll: int, row_tiles: int, nbt:
     return s if s >= 2 else 0
 
 
-def nvfp4_min_regs(row_tiles: int, prefetch: bool) -> int:
+def nvfp4_min_regs(row_tiles: int, prefetch: bool, x_late: bool = False) -> int:
     """Registers per thread the NVFP4 tensor-core kernel is left (resident_blocks' min_regs). ptxas -v on the 27B
     shapes without a bound: one tile 76 (128 kept from before), two or four tiles 104-110, prefetch 105-146."""
     if prefetch:
-        return 152
+        return 128 if x_late else 152
     return 128 if row_tiles == 1 else 112
 
 
@@ -637,7 +680,8 @@ def _nvfp4_mma_path(K: int, dtype: str) -> bool:
 
 
 def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min_warps, max_warps, target_warps,
-                    big_tiles, sms, row_tiles=1, prefetch=False, big_row_tiles=1, big_prefetch=False, stages=0):
+                    big_tiles, sms, row_tiles=1, prefetch=False, big_row_tiles=1, big_prefetch=False, stages=0,
+                    x_late=False, tma_stages=0):
     """The tensor-core path for NVFP4 weights (bf16 activations, K % 32 == 0); see gemv_nvfp4."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
@@ -651,19 +695,35 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
     row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
 
-    def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0):
+    def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0, XL: bool = False, TM: int = 0):
         NB = 8 * NBT
         KC = 128 * U  # K elements per warp iteration (4 lanes x 32 codes per unroll step)
         ITS = (K + KC - 1) // KC
         BLOCKS, NW, MB = nvfp4_grid(K, O, epilogue, unroll=U, row_tiles=RT, prefetch=PF, min_warps=min_warps,
-                                    max_warps=max_warps, target_warps=target_warps, sms=sms)
+                                    max_warps=max_warps, target_warps=target_warps, sms=sms, x_late=XL)
         MB = MB if NBT == 1 else 1
         S = nvfp4_stages(S, K, NW, U, RT, NBT, -(-BLOCKS // max(1, sms))) if not PF else 0
+        XL = XL and not S  # the stage ring loads x after its wait already
+        NWC = NW  # warps that compute (the TMA ring adds a producer warp)
+        # TMA ring: a stage = one iteration of all NW compute warps (NW * KC contiguous K of each of the 16 RT rows);
+        # the scale bytes of a stage's tail must stay a multiple of 16 (K and NW * KC multiples of 256)
+        TM = TM if (NBT == 1 and not PF and not S and K % 256 == 0 and NW * KC % 256 == 0) else 0
+        XL = XL or TM > 0
+        ROWS = 16 * RT
+        CB, SB = NW * KC // 2, NW * KC // 16  # code / scale bytes per row and stage
+        CST, SST = CB + 64, SB + 16  # row strides in the ring (64: rows g and g + 1 on different banks)
+        STAGE = ROWS * (CST + SST)
+        if TM:
+            # blocks per SM: the ring within the SM's shared memory, ~96 registers per thread
+            MB = max(1, min(-(-BLOCKS // max(1, sms)), (227 * 1024) // (TM * STAGE + 1024),
+                            65536 // (32 * (NW + 1) * 96)))
         J = RT * 2 * U  # 16-byte code loads per lane and iteration (tiles x lo/hi rows x steps)
         wait_name, wait_src = _cp_wait(max(0, S - 2))
         NIT = (ITS + NW - 1) // NW
-        NT = 32 * NW
+        NWP = NW + 1 if TM else NW  # warps per block (the epilogue's partial sums: one slot per warp)
+        NT = 32 * NWP
         NBUF = 2 if PF else 1
+        NBUF_X = 1 if XL else NBUF  # x late: one step's x words, loaded right before its mma chain
         k_pred = K % KC != 0 or ITS % NW != 0
         # the last block's tiles past TILES have no rows (RT does not divide TILES)
         row_pred = ((OO % 8 != 0) if silu else (O % 16 != 0)) or TILES % RT != 0
@@ -676,7 +736,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
         def k_ok(it, tx, u):
             # prefetching / staging runs past NIT (the pair loop rounds NIT up to even; S - 1 stages ahead)
-            return k0(it, tx, u) < K if k_pred or PF or S else True
+            return k0(it, tx, u) < K if k_pred or PF or S or TM else True
 
         def w_ok(it, tx, u, ok_row):
             return T.And(k_ok(it, tx, u), ok_row if row_pred else True)
@@ -732,15 +792,77 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                         # lane q's scale pair is half q % 2 of the word (the dequant reads the low 16 bits)
                         sc[sc_i(0, t, h, u)] = sms[sm_i(it, tx, j_i(t, h, u))] >> T.Cast("uint32", tx % 2 * 16)
 
+        def ring_row(tile0, r):  # weight row of ring row r (tile r // 16, rows g / g + 8); 0 where past O
+            row = T.Select(r % 16 < 8, row_lo(tile0 + r // 16, r % 8), row_hi(tile0 + r // 16, r % 8))
+            if not row_pred:
+                return row
+            return T.Select(T.Select(r % 16 < 8, lo_ok(tile0 + r // 16, r % 8), hi_ok(tile0 + r // 16, r % 8)), row, 0)
+
+        def row_ok(tile, h, g):
+            return T.Select(h == 0, lo_ok(tile, g), hi_ok(tile, g))
+
+        def scale_byte(it, t, h, u, tx):  # ring byte of lane tx's scale pair of (tile t, row g / g + 8, step u)
+            return (it % TM * STAGE + ROWS * CST + (t * 16 + h * 8 + tx % 32 // 4) * SST + tx // 32 * (KC // 16) + u * 8
+                    + tx % 4 * 2)
+
+        def stage_k(it):  # K elements of stage it (the last one may be short)
+            return T.min(NW * KC, K - it * (NW * KC))
+
+        @T.macro
+        def tma_produce(tile0, w8, s8, ring, bars):
+            # one lane: for each stage, wait until the consumers released its slot, announce its bytes on "full",
+            # then the code and scale bytes of each ring row (NW * KC contiguous K of that weight row)
+            for it in range(NIT):
+                if it >= TM:
+                    T.cuda.func_call(_TMA_WAIT, T.address_of(bars[TM + it % TM]), T.Cast("uint32", (it // TM + 1) % 2),
+                                     source_code=_TMA_WAIT_SRC)
+                T.cuda.func_call(_TMA_EXPECT, T.address_of(bars[it % TM]),
+                                 T.Cast("uint32", ROWS * (stage_k(it) // 2 + stage_k(it) // 16)),
+                                 source_code=_TMA_EXPECT_SRC)
+                for r in range(ROWS):
+                    T.cuda.func_call(_TMA_LOAD, T.address_of(ring[(it % TM * STAGE + r * CST) // 4]),
+                                     T.address_of(w8[T.Cast("int64", ring_row(tile0, r)) * (K // 2) + it * CB]),
+                                     T.Cast("uint32", stage_k(it) // 2), T.address_of(bars[it % TM]),
+                                     source_code=_TMA_LOAD_SRC)
+                    T.cuda.func_call(_TMA_LOAD, T.address_of(ring[(it % TM * STAGE + ROWS * CST + r * SST) // 4]),
+                                     T.address_of(s8[T.Cast("int64", ring_row(tile0, r)) * (K // 16) + it * SB]),
+                                     T.Cast("uint32", stage_k(it) // 16), T.address_of(bars[it % TM]),
+                                     source_code=_TMA_LOAD_SRC)
+
+        @T.macro
+        def tma_consume(it, tile0, tx, ring, bars, cw, sc):
+            # lane (g, q) of compute warp w: its 16 code bytes and scale pair of rows g and g + 8 of each tile and
+            # step, at the warp's chunk of the stage; zeros past K or O (a short stage's tail holds stale bytes)
+            T.cuda.func_call(_TMA_WAIT, T.address_of(bars[it % TM]), T.Cast("uint32", it // TM % 2),
+                             source_code=_TMA_WAIT_SRC)
+            for u in T.unroll(U):
+                for t in T.unroll(RT):
+                    for h in T.unroll(2):
+                        for v in T.unroll(4):
+                            cw[cw_i(0, t, h, u) + v] = T.if_then_else(
+                                w_ok(it, tx, u, row_ok(tile0 + t, h, tx % 32 // 4)),
+                                ring[(it % TM * STAGE + (t * 16 + h * 8 + tx % 32 // 4) * CST + tx // 32 * (KC // 2)
+                                      + u * 64 + tx % 4 * 16) // 4 + v], T.uint32(0))
+                        sc[sc_i(0, t, h, u)] = T.if_then_else(
+                            w_ok(it, tx, u, row_ok(tile0 + t, h, tx % 32 // 4)),
+                            # the word holding the pair (even byte offset: half 0 or 1; the dequant reads the low 16 bits)
+                            ring[scale_byte(it, t, h, u, tx) // 4] >> T.Cast("uint32", scale_byte(it, t, h, u, tx) % 4 * 8),
+                            T.uint32(0))
+            T.cuda.func_call(_TMA_ARRIVE, T.address_of(bars[TM + it % TM]), source_code=_TMA_ARRIVE_SRC)
+
+        @T.macro
+        def load_x_step(b, it, u, tx, ps, n, xu, xr):
+            for bt in T.unroll(NBT):
+                for v in T.unroll(4):
+                    xr[T.ramp(xr_i(b, bt, u) + v * 4, 1, 4)] = T.cuda.func_call(
+                        _LDG_X, T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2 + v * 4]),
+                        T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
+                        source_code=_LDG_X_SRC, return_type="uint32x4")
+
         @T.macro
         def load_x(b, it, tx, ps, n, xu, xr):
             for u in T.unroll(U):
-                for bt in T.unroll(NBT):
-                    for v in T.unroll(4):
-                        xr[T.ramp(xr_i(b, bt, u) + v * 4, 1, 4)] = T.cuda.func_call(
-                            _LDG_X, T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2 + v * 4]),
-                            T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
-                            source_code=_LDG_X_SRC, return_type="uint32x4")
+                load_x_step(b, it, u, tx, ps, n, xu, xr)
 
         @T.macro
         def load(b, it, tile0, tx, ps, n, xu, wu, wsh, cw, sc, xr):
@@ -763,21 +885,26 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                     sc[sc_i(b, t, 1, u)] = T.if_then_else(
                         w_ok(it, tx, u, hi_ok(tile0 + t, tx % 32 // 4)),
                         T.Cast("uint32", wsh[row_hi(tile0 + t, tx % 32 // 4) * KS + k0(it, tx, u) // 32]), T.uint32(0))
-            load_x(b, it, tx, ps, n, xu, xr)
+            if not XL:
+                load_x(b, it, tx, ps, n, xu, xr)
 
         @T.macro
-        def compute(b, cw, sc, xr, al, ah, xp, acc):
+        def compute(b, it, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc):
+            xb = 0 if XL else b
             for u in T.unroll(U):
+                if XL:
+                    # x late: this step's x words now, after the weight codes of the iteration are in registers
+                    load_x_step(0, it, u, tx, ps, n, xu, xr)
                 # x pairs in the weights' K order: pair 4m+i = (x[8m+i], x[8m+i+4]), shared by the RT tiles
                 for bt in T.unroll(NBT):
                     for m in T.unroll(4):
                         for ih in T.unroll(2):
                             xp[bt * 16 + m * 4 + ih * 2] = T.call_pure_extern(
-                                "uint32", "__byte_perm", xr[xr_i(b, bt, u) + m * 4 + ih],
-                                xr[xr_i(b, bt, u) + m * 4 + 2 + ih], T.uint32(0x5410))
+                                "uint32", "__byte_perm", xr[xr_i(xb, bt, u) + m * 4 + ih],
+                                xr[xr_i(xb, bt, u) + m * 4 + 2 + ih], T.uint32(0x5410))
                             xp[bt * 16 + m * 4 + ih * 2 + 1] = T.call_pure_extern(
-                                "uint32", "__byte_perm", xr[xr_i(b, bt, u) + m * 4 + ih],
-                                xr[xr_i(b, bt, u) + m * 4 + 2 + ih], T.uint32(0x7632))
+                                "uint32", "__byte_perm", xr[xr_i(xb, bt, u) + m * 4 + ih],
+                                xr[xr_i(xb, bt, u) + m * 4 + 2 + ih], T.uint32(0x7632))
                 for t in T.unroll(RT):
                     T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(al[0]), cw[cw_i(b, t, 0, u)],
                                      cw[cw_i(b, t, 0, u) + 1], cw[cw_i(b, t, 0, u) + 2], cw[cw_i(b, t, 0, u) + 3],
@@ -793,25 +920,39 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                                 xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
 
         @T.macro
-        def body(n, xu, wu, wsh, wsw, ws2, res, out):
+        def body(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8):
             for blk in T.thread_binding(BLOCKS, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
                         cw = T.alloc_buffer((NBUF * RT * 2 * U * 4,), "uint32", scope="local")
                         sc = T.alloc_buffer((NBUF * RT * 2 * U,), "uint32", scope="local")
-                        xr = T.alloc_buffer((NBUF * NBT * U * 16,), "uint32", scope="local")
+                        xr = T.alloc_buffer((NBUF_X * NBT * U * 16,), "uint32", scope="local")
                         al = T.alloc_buffer((16,), "uint32", scope="local")
                         ah = T.alloc_buffer((16,), "uint32", scope="local")
                         xp = T.alloc_buffer((NBT * 16,), "uint32", scope="local")
                         acc = T.alloc_buffer((NBT * RT * 4,), "float32", scope="local")
                         red = T.alloc_buffer((2,), "float32", scope="local")
-                        part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
+                        part = T.alloc_buffer((NWP * NBT * 128,), "float32", scope="shared")
                         smc = T.alloc_buffer((max(1, NW * S * J * 128),), "uint32", scope="shared")
                         sms = T.alloc_buffer((max(1, NW * S * J * 32),), "uint32", scope="shared")
+                        ring = T.alloc_buffer((max(4, TM * STAGE // 4),), "uint32", scope="shared.dyn")
+                        bars = T.alloc_buffer((max(1, 2 * TM),), "uint64", scope="shared")
+                        if TM > 0:
+                            if tx == 0:
+                                T.cuda.func_call(_TMA_INIT, T.address_of(bars[0]), TM, T.uint32(NWC * 32),
+                                                 ring.access_ptr("rw"), source_code=_TMA_INIT_SRC)
+                            T.tvm_storage_sync("shared")
                         for ps in range((n + NB - 1) // NB):
                             for i in T.unroll(NBT * RT * 4):
                                 acc[i] = T.float32(0)
-                            if S > 0:
+                            if TM > 0:
+                                if tx == NWC * 32:
+                                    tma_produce(blk * RT, w8, s8, ring, bars)
+                                elif tx < NWC * 32:
+                                    for it in range(NIT):
+                                        tma_consume(it, blk * RT, tx, ring, bars, cw, sc)
+                                        compute(0, it, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
+                            elif S > 0:
                                 # S-stage cp.async ring per warp: S - 1 iterations' weight bytes in flight
                                 for it in T.unroll(S - 1):
                                     stage(it, blk * RT, tx, wu, wsw, smc, sms)
@@ -820,26 +961,26 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                                     unstage(it, tx, smc, sms, cw, sc)
                                     load_x(0, it, tx, ps, n, xu, xr)
                                     stage(it + S - 1, blk * RT, tx, wu, wsw, smc, sms)
-                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                                    compute(0, it, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
                                 T.cuda.func_call(_cp_wait(0)[0], source_code=_cp_wait(0)[1])
                             elif PF:
                                 # software pipeline: iteration it + 1's loads are in flight during it's math
                                 load(0, 0, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
                                 for it2 in range((NIT + 1) // 2):
                                     load(1, 2 * it2 + 1, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
-                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                                    compute(0, 2 * it2, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
                                     load(0, 2 * it2 + 2, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
-                                    compute(1, cw, sc, xr, al, ah, xp, acc)
+                                    compute(1, 2 * it2 + 1, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
                             else:
                                 for it in range(NIT):
                                     load(0, it, blk * RT, tx, ps, n, xu, wu, wsh, cw, sc, xr)
-                                    compute(0, cw, sc, xr, al, ah, xp, acc)
+                                    compute(0, it, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
                             for t in T.unroll(RT):
                                 epilogue_pass(n, ps, blk * RT + t, tx, acc, part, red, ws2, res, out, t)
 
         return body
 
-    small = make_body(1, unroll, row_tiles, prefetch, stages)
+    small = make_body(1, unroll, row_tiles, prefetch, stages, x_late, tma_stages)
     big = make_body(big_tiles, big_unroll, big_row_tiles, big_prefetch)
 
     @T.macro
@@ -848,10 +989,12 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
         wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
         wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
         wsw = T.decl_buffer((O * (K // 64),), "uint32", data=ws.data)
+        w8 = T.decl_buffer((O * (K // 2),), "uint8", data=w.data)
+        s8 = T.decl_buffer((O * (K // 16),), "uint8", data=ws.data)
         if n <= 8:
-            small(n, xu, wu, wsh, wsw, ws2, res, out)
+            small(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8)
         else:
-            big(n, xu, wu, wsh, wsw, ws2, res, out)
+            big(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8)
 
     return _entry(K, O, OO, dtype, out_dtype, has_res, True, run)
 
@@ -876,7 +1019,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
                epilogue: str = "none", *, unroll: int = 2, big_unroll: int = 1, min_warps: int = 1,
                max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132,
                row_tiles: int = 1, prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-               stages: int = 0):
+               stages: int = 0, x_late: bool = False, tma_stages: int = 0):
     """y = x[n, in] @ dequant(W)^T + epilogue for NVFP4 weights, or None where it does not apply.
 
     prim_func(x[n, in] dtype, w[out, in/2] u8, w_scale[out, in/16] u8, w_scale_2[out] f32, [res], out), the
@@ -891,7 +1034,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
         f = _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, big_unroll=big_unroll,
                             min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, big_tiles=big_tiles,
                             sms=sms, row_tiles=row_tiles, prefetch=prefetch, big_row_tiles=big_row_tiles,
-                            big_prefetch=big_prefetch, stages=stages)
+                            big_prefetch=big_prefetch, stages=stages, x_late=x_late, tma_stages=tma_stages)
     else:
         f = _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
@@ -955,16 +1098,19 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
                         big_unroll: int = 1, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048,
                         big_tiles: int = 4, fma_warps: int = 4, sms: int = 132, row_tiles: int = 1,
                         prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-                        stages: int = 0) -> str:
+                        stages: int = 0, x_late: bool = False, tma_stages: int = 0) -> str:
     """Human-readable launch configuration of gemv_nvfp4() for a shape."""
     K, O = int(in_features), int(out_features)
     if not _nvfp4_mma_path(K, dtype):
         return "nvfp4 " + launch_config(K, O, "float32", epilogue, fma_warps=fma_warps)
     kw = dict(min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, sms=sms)
-    blocks, nw, mb = nvfp4_grid(K, O, epilogue, unroll=unroll, row_tiles=row_tiles, prefetch=prefetch, **kw)
+    blocks, nw, mb = nvfp4_grid(K, O, epilogue, unroll=unroll, row_tiles=row_tiles, prefetch=prefetch, x_late=x_late,
+                                **kw)
     _, nwb, _ = nvfp4_grid(K, O, epilogue, unroll=big_unroll, row_tiles=big_row_tiles, prefetch=big_prefetch, **kw)
     st = 0 if prefetch else nvfp4_stages(stages, K, nw, unroll, row_tiles, 1, -(-blocks // max(1, sms)))
     pf = " prefetch" if prefetch else (f" {st} cp.async stages" if st else "")
+    pf += " x late" if x_late and not st else ""
+    pf += f" TMA ring of {tma_stages} stages + a producer warp" if tma_stages and not (st or prefetch) else ""
     bpf = " prefetch" if big_prefetch else ""
     return (f"nvfp4 mma grid {blocks} x {32 * nw} threads (min {mb} blocks/SM), {16 * row_tiles} rows x "
             f"{128 * unroll} k per warp-iteration{pf}, n>8: {8 * big_tiles} rows/pass x {32 * nwb} threads, "

@@ -51,6 +51,16 @@ EMU_NVFP4_CASES = [
     (2560, 48, "residual", "bfloat16", "bfloat16", {"stages": 4, "unroll": 1, "target_warps": 1}),
     (768, 72, "silu_mul", "bfloat16", "bfloat16", {"stages": 3, "unroll": 1}),
     (352, 40, "none", "bfloat16", "bfloat16", {}),  # K % 64 != 0: no stage ring (4-byte scale words), registers
+    # x late (x words loaded per step at the mma chain): plain, prefetching with 2 tiles, 4 steps in one warp
+    (5120, 40, "residual", "bfloat16", "bfloat16", {"x_late": True}),
+    (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"row_tiles": 2, "prefetch": True, "unroll": 1, "x_late": True}),
+    (2560, 48, "none", "bfloat16", "float32", {"unroll": 4, "x_late": True, "target_warps": 1}),
+    # TMA ring: stages wrapping (10 stages of 1 warp x 256 K over a 2-stage ring), a short last stage (K = 1280
+    # over 2 warps x 512), rows past O with 2 tiles per block, silu row pairs
+    (2560, 48, "residual", "bfloat16", "bfloat16", {"tma_stages": 2, "target_warps": 1, "max_warps": 1}),
+    (1280, 40, "none", "bfloat16", "bfloat16", {"tma_stages": 3, "unroll": 4, "min_warps": 2, "max_warps": 2,
+                                                "row_tiles": 2}),
+    (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"tma_stages": 4, "row_tiles": 2}),
 ]
 
 
