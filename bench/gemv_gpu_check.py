@@ -115,16 +115,6 @@ NVFP4_VARIANTS = {
     "pf-xl-u4": {"prefetch": True, "x_late": True, "unroll": 4},
     "rt2-pf-xl-u1": {"row_tiles": 2, "prefetch": True, "x_late": True, "unroll": 1},
     "rt2-pf-xl": {"row_tiles": 2, "prefetch": True, "x_late": True},
-    # tma = a producer warp streams stages of all compute warps' rows into a shared-memory ring (bulk copies on
-    # mbarriers); w = at least that many compute warps per block
-    "tma4": {"tma_stages": 4},
-    "tma4-w4": {"tma_stages": 4, "min_warps": 4},
-    "tma6-w4": {"tma_stages": 6, "min_warps": 4},
-    "tma4-w4-u4": {"tma_stages": 4, "min_warps": 4, "unroll": 4},
-    "tma3-w8": {"tma_stages": 3, "min_warps": 8},
-    "rt2-tma4": {"row_tiles": 2, "tma_stages": 4},
-    "rt2-tma4-w4": {"row_tiles": 2, "tma_stages": 4, "min_warps": 4},
-    "rt2-tma6-w2": {"row_tiles": 2, "tma_stages": 6, "min_warps": 2},
     "b-rt2": {"big_row_tiles": 2},
     "b-pf": {"big_prefetch": True},
 }

@@ -50,9 +50,14 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
   Alternatives measured by bench/gemv_gpu_check.py: row_tiles 16-row tiles per warp (x fragments and their
   byte_perms shared: ~179 instructions per 1152 bytes at two), prefetch (a second register buffer, the next
   iteration's loads before this one's math).
+  x_late: each step's x words are loaded at its mma chain instead of with the weights, so only the weight codes
+  wait on DRAM in registers (more of them in flight per register; with prefetch, the next iteration's codes).
+  A TMA ring (a producer warp streaming stages into shared memory with bulk copies on mbarriers, consumers never
+  waiting on DRAM) was measured slower on every shape (run 7: 1500-2240 GB/s): the compute warps' issue, not the
+  bytes in flight, bounds this dequantization.
   Parameters: NVFP4_DEFAULTS (unroll / big_unroll in 128-element K steps, big_tiles, stages; big_row_tiles,
-  prefetch, big_prefetch off), row_tiles per output width (nvfp4_row_tiles: 2 from O = 8192, measured)
-  + the kernel set's min/max/target_warps, fma_warps and sms.
+  prefetch, big_prefetch, x_late off), overridden per shape by nvfp4_shape_params (measured) + the kernel set's
+  min/max/target_warps, fma_warps and sms.
 """
 from __future__ import annotations
 
@@ -121,49 +126,6 @@ _CP4_SRC = (
 _CP_COMMIT = "ninfer_gemv_cp_commit"
 _CP_COMMIT_SRC = ('__device__ __forceinline__ void ninfer_gemv_cp_commit() { asm volatile("cp.async.commit_group;\\n" '
                   '::: "memory"); }\n')
-
-
-# TMA ring (NVFP4 n <= 8 launch, `tma_stages`): a producer warp's lane streams each stage's weight rows into shared
-# memory with bulk copies completing on the stage's "full" mbarrier; the consumer warps wait on it, read their
-# fragments, and arrive on its "empty" mbarrier, which the producer waits on before refilling the stage. The bytes in
-# flight are bounded by the ring, not by the registers of warps that stall on DRAM latency.
-_SMEM = "(unsigned)__cvta_generic_to_shared"
-# barriers [0, stages) "full" (1 arrival + the stage's bytes), [stages, 2 stages) "empty" (consumer arrivals); the
-# ring pointer is passed so that the launch's dynamic shared memory covers all of it
-_TMA_INIT = "ninfer_gemv_tma_init"
-_TMA_INIT_SRC = (
-    "__device__ __forceinline__ void ninfer_gemv_tma_init(void* bars, int stages, unsigned consumers, void* ring) {\n"
-    "  (void)ring;\n"
-    "  unsigned long long* b = (unsigned long long*)bars;\n"
-    "  for (int s = 0; s < 2 * stages; ++s)\n"
-    f'    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\\n" :: "r"({_SMEM}(b + s)), '
-    '"r"(s < stages ? 1u : consumers) : "memory");\n'
-    '  asm volatile("fence.mbarrier_init.release.cluster;\\n" ::: "memory");\n'
-    '  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");\n'
-    "}\n")
-_TMA_EXPECT = "ninfer_gemv_tma_expect"
-_TMA_EXPECT_SRC = (
-    "__device__ __forceinline__ void ninfer_gemv_tma_expect(void* bar, unsigned bytes) {\n"
-    f'  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\\n" :: "r"({_SMEM}(bar)), "r"(bytes) '
-    ': "memory");\n'
-    "}\n")
-_TMA_LOAD = "ninfer_gemv_tma_load"
-_TMA_LOAD_SRC = (
-    "__device__ __forceinline__ void ninfer_gemv_tma_load(void* dst, const void* src, unsigned bytes, void* bar) {\n"
-    '  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\\n"\n'
-    f'               :: "r"({_SMEM}(dst)), "l"(src), "r"(bytes), "r"({_SMEM}(bar)) : "memory");\n'
-    "}\n")
-_TMA_WAIT = "ninfer_gemv_tma_wait"
-_TMA_WAIT_SRC = (
-    "__device__ __forceinline__ void ninfer_gemv_tma_wait(void* bar, unsigned parity) {\n"
-    '  asm volatile("{\\n .reg .pred p;\\n WAIT:\\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\\n"\n'
-    f'               " @!p bra WAIT;\\n}}\\n" :: "r"({_SMEM}(bar)), "r"(parity) : "memory");\n'
-    "}\n")
-_TMA_ARRIVE = "ninfer_gemv_tma_arrive"
-_TMA_ARRIVE_SRC = (
-    "__device__ __forceinline__ void ninfer_gemv_tma_arrive(void* bar) {\n"
-    f'  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\\n" :: "r"({_SMEM}(bar)) : "memory");\n'
-    "}\n")
 
 
 def _cp_wait(pending: int) -> tuple[str, str]:
@@ -627,6 +589,20 @@ def nvfp4_row_tiles(O: int) -> int:
     return 2 if O >= NVFP4_ROW_TILES_MIN_O else 1
 
 
+def nvfp4_shape_params(O: int, epilogue: str) -> dict:
+    """gemv_nvfp4 overrides of NVFP4_DEFAULTS for the model's n <= 8 launch, by shape. Measured on the H200 (BENCHMARKS
+    run 7, bench/gemv_gpu_check.py, GB/s of NVFP4 bytes at n = 1, best of 13 variants): the O = 5120 projections
+    take the register prefetch with x late (down 2011 -> 2351, o_proj 1800 -> 1987), the other wide ones two row tiles
+    with the prefetch, x late and one 128-K step per iteration (in_proj_qkv_z 2693 -> 2999, qkv 2535 -> 2660);
+    gate_up + silu keeps two row tiles (2872; every prefetching variant was slower)."""
+    rt = nvfp4_row_tiles(O)
+    if epilogue == "silu_mul":
+        return {"row_tiles": rt}
+    if rt == 1:
+        return {"prefetch": True, "x_late": True}
+    return {"row_tiles": rt, "prefetch": True, "x_late": True, "unroll": 1}
+
+
 def nvfp4_grid(K: int, O: int, epilogue: str, *, unroll: int, row_tiles: int, prefetch: bool, min_warps: int,
                max_warps: int, target_warps: int, sms: int, x_late: bool = False) -> tuple[int, int, int]:
     """(blocks, warps per block, min blocks per SM) of the NVFP4 tensor-core launch: blocks of row_tiles 16-row
@@ -681,7 +657,7 @@ def _nvfp4_mma_path(K: int, dtype: str) -> bool:
 
 def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min_warps, max_warps, target_warps,
                     big_tiles, sms, row_tiles=1, prefetch=False, big_row_tiles=1, big_prefetch=False, stages=0,
-                    x_late=False, tma_stages=0):
+                    x_late=False):
     """The tensor-core path for NVFP4 weights (bf16 activations, K % 32 == 0); see gemv_nvfp4."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
@@ -695,7 +671,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
     row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
 
-    def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0, XL: bool = False, TM: int = 0):
+    def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0, XL: bool = False):
         NB = 8 * NBT
         KC = 128 * U  # K elements per warp iteration (4 lanes x 32 codes per unroll step)
         ITS = (K + KC - 1) // KC
@@ -704,24 +680,10 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
         MB = MB if NBT == 1 else 1
         S = nvfp4_stages(S, K, NW, U, RT, NBT, -(-BLOCKS // max(1, sms))) if not PF else 0
         XL = XL and not S  # the stage ring loads x after its wait already
-        NWC = NW  # warps that compute (the TMA ring adds a producer warp)
-        # TMA ring: a stage = one iteration of all NW compute warps (NW * KC contiguous K of each of the 16 RT rows);
-        # the scale bytes of a stage's tail must stay a multiple of 16 (K and NW * KC multiples of 256)
-        TM = TM if (NBT == 1 and not PF and not S and K % 256 == 0 and NW * KC % 256 == 0) else 0
-        XL = XL or TM > 0
-        ROWS = 16 * RT
-        CB, SB = NW * KC // 2, NW * KC // 16  # code / scale bytes per row and stage
-        CST, SST = CB + 64, SB + 16  # row strides in the ring (64: rows g and g + 1 on different banks)
-        STAGE = ROWS * (CST + SST)
-        if TM:
-            # blocks per SM: the ring within the SM's shared memory, ~96 registers per thread
-            MB = max(1, min(-(-BLOCKS // max(1, sms)), (227 * 1024) // (TM * STAGE + 1024),
-                            65536 // (32 * (NW + 1) * 96)))
         J = RT * 2 * U  # 16-byte code loads per lane and iteration (tiles x lo/hi rows x steps)
         wait_name, wait_src = _cp_wait(max(0, S - 2))
         NIT = (ITS + NW - 1) // NW
-        NWP = NW + 1 if TM else NW  # warps per block (the epilogue's partial sums: one slot per warp)
-        NT = 32 * NWP
+        NT = 32 * NW
         NBUF = 2 if PF else 1
         NBUF_X = 1 if XL else NBUF  # x late: one step's x words, loaded right before its mma chain
         k_pred = K % KC != 0 or ITS % NW != 0
@@ -736,7 +698,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
         def k_ok(it, tx, u):
             # prefetching / staging runs past NIT (the pair loop rounds NIT up to even; S - 1 stages ahead)
-            return k0(it, tx, u) < K if k_pred or PF or S or TM else True
+            return k0(it, tx, u) < K if k_pred or PF or S else True
 
         def w_ok(it, tx, u, ok_row):
             return T.And(k_ok(it, tx, u), ok_row if row_pred else True)
@@ -791,64 +753,6 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                         cw[T.ramp(cw_i(0, t, h, u), 1, 4)] = smc[T.ramp(sm_i(it, tx, j_i(t, h, u)) * 4, 1, 4)]
                         # lane q's scale pair is half q % 2 of the word (the dequant reads the low 16 bits)
                         sc[sc_i(0, t, h, u)] = sms[sm_i(it, tx, j_i(t, h, u))] >> T.Cast("uint32", tx % 2 * 16)
-
-        def ring_row(tile0, r):  # weight row of ring row r (tile r // 16, rows g / g + 8); 0 where past O
-            row = T.Select(r % 16 < 8, row_lo(tile0 + r // 16, r % 8), row_hi(tile0 + r // 16, r % 8))
-            if not row_pred:
-                return row
-            return T.Select(T.Select(r % 16 < 8, lo_ok(tile0 + r // 16, r % 8), hi_ok(tile0 + r // 16, r % 8)), row, 0)
-
-        def row_ok(tile, h, g):
-            return T.Select(h == 0, lo_ok(tile, g), hi_ok(tile, g))
-
-        def scale_byte(it, t, h, u, tx):  # ring byte of lane tx's scale pair of (tile t, row g / g + 8, step u)
-            return (it % TM * STAGE + ROWS * CST + (t * 16 + h * 8 + tx % 32 // 4) * SST + tx // 32 * (KC // 16) + u * 8
-                    + tx % 4 * 2)
-
-        def stage_k(it):  # K elements of stage it (the last one may be short)
-            return T.min(NW * KC, K - it * (NW * KC))
-
-        @T.macro
-        def tma_produce(tile0, w8, s8, ring, bars):
-            # one lane: for each stage, wait until the consumers released its slot, announce its bytes on "full",
-            # then the code and scale bytes of each ring row (NW * KC contiguous K of that weight row)
-            for it in range(NIT):
-                if it >= TM:
-                    T.cuda.func_call(_TMA_WAIT, T.address_of(bars[TM + it % TM]), T.Cast("uint32", (it // TM + 1) % 2),
-                                     source_code=_TMA_WAIT_SRC)
-                T.cuda.func_call(_TMA_EXPECT, T.address_of(bars[it % TM]),
-                                 T.Cast("uint32", ROWS * (stage_k(it) // 2 + stage_k(it) // 16)),
-                                 source_code=_TMA_EXPECT_SRC)
-                for r in range(ROWS):
-                    T.cuda.func_call(_TMA_LOAD, T.address_of(ring[(it % TM * STAGE + r * CST) // 4]),
-                                     T.address_of(w8[T.Cast("int64", ring_row(tile0, r)) * (K // 2) + it * CB]),
-                                     T.Cast("uint32", stage_k(it) // 2), T.address_of(bars[it % TM]),
-                                     source_code=_TMA_LOAD_SRC)
-                    T.cuda.func_call(_TMA_LOAD, T.address_of(ring[(it % TM * STAGE + ROWS * CST + r * SST) // 4]),
-                                     T.address_of(s8[T.Cast("int64", ring_row(tile0, r)) * (K // 16) + it * SB]),
-                                     T.Cast("uint32", stage_k(it) // 16), T.address_of(bars[it % TM]),
-                                     source_code=_TMA_LOAD_SRC)
-
-        @T.macro
-        def tma_consume(it, tile0, tx, ring, bars, cw, sc):
-            # lane (g, q) of compute warp w: its 16 code bytes and scale pair of rows g and g + 8 of each tile and
-            # step, at the warp's chunk of the stage; zeros past K or O (a short stage's tail holds stale bytes)
-            T.cuda.func_call(_TMA_WAIT, T.address_of(bars[it % TM]), T.Cast("uint32", it // TM % 2),
-                             source_code=_TMA_WAIT_SRC)
-            for u in T.unroll(U):
-                for t in T.unroll(RT):
-                    for h in T.unroll(2):
-                        for v in T.unroll(4):
-                            cw[cw_i(0, t, h, u) + v] = T.if_then_else(
-                                w_ok(it, tx, u, row_ok(tile0 + t, h, tx % 32 // 4)),
-                                ring[(it % TM * STAGE + (t * 16 + h * 8 + tx % 32 // 4) * CST + tx // 32 * (KC // 2)
-                                      + u * 64 + tx % 4 * 16) // 4 + v], T.uint32(0))
-                        sc[sc_i(0, t, h, u)] = T.if_then_else(
-                            w_ok(it, tx, u, row_ok(tile0 + t, h, tx % 32 // 4)),
-                            # the word holding the pair (even byte offset: half 0 or 1; the dequant reads the low 16 bits)
-                            ring[scale_byte(it, t, h, u, tx) // 4] >> T.Cast("uint32", scale_byte(it, t, h, u, tx) % 4 * 8),
-                            T.uint32(0))
-            T.cuda.func_call(_TMA_ARRIVE, T.address_of(bars[TM + it % TM]), source_code=_TMA_ARRIVE_SRC)
 
         @T.macro
         def load_x_step(b, it, u, tx, ps, n, xu, xr):
@@ -920,7 +824,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                                 xp[bt * 16 + 2 * j], xp[bt * 16 + 2 * j + 1], source_code=mma_src)
 
         @T.macro
-        def body(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8):
+        def body(n, xu, wu, wsh, wsw, ws2, res, out):
             for blk in T.thread_binding(BLOCKS, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
@@ -932,27 +836,13 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                         xp = T.alloc_buffer((NBT * 16,), "uint32", scope="local")
                         acc = T.alloc_buffer((NBT * RT * 4,), "float32", scope="local")
                         red = T.alloc_buffer((2,), "float32", scope="local")
-                        part = T.alloc_buffer((NWP * NBT * 128,), "float32", scope="shared")
+                        part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
                         smc = T.alloc_buffer((max(1, NW * S * J * 128),), "uint32", scope="shared")
                         sms = T.alloc_buffer((max(1, NW * S * J * 32),), "uint32", scope="shared")
-                        ring = T.alloc_buffer((max(4, TM * STAGE // 4),), "uint32", scope="shared.dyn")
-                        bars = T.alloc_buffer((max(1, 2 * TM),), "uint64", scope="shared")
-                        if TM > 0:
-                            if tx == 0:
-                                T.cuda.func_call(_TMA_INIT, T.address_of(bars[0]), TM, T.uint32(NWC * 32),
-                                                 ring.access_ptr("rw"), source_code=_TMA_INIT_SRC)
-                            T.tvm_storage_sync("shared")
                         for ps in range((n + NB - 1) // NB):
                             for i in T.unroll(NBT * RT * 4):
                                 acc[i] = T.float32(0)
-                            if TM > 0:
-                                if tx == NWC * 32:
-                                    tma_produce(blk * RT, w8, s8, ring, bars)
-                                elif tx < NWC * 32:
-                                    for it in range(NIT):
-                                        tma_consume(it, blk * RT, tx, ring, bars, cw, sc)
-                                        compute(0, it, tx, ps, n, xu, cw, sc, xr, al, ah, xp, acc)
-                            elif S > 0:
+                            if S > 0:
                                 # S-stage cp.async ring per warp: S - 1 iterations' weight bytes in flight
                                 for it in T.unroll(S - 1):
                                     stage(it, blk * RT, tx, wu, wsw, smc, sms)
@@ -980,7 +870,7 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
 
         return body
 
-    small = make_body(1, unroll, row_tiles, prefetch, stages, x_late, tma_stages)
+    small = make_body(1, unroll, row_tiles, prefetch, stages, x_late)
     big = make_body(big_tiles, big_unroll, big_row_tiles, big_prefetch)
 
     @T.macro
@@ -989,12 +879,10 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
         wu = T.decl_buffer((O * KW,), "uint32", data=w.data)
         wsh = T.decl_buffer((O * KS,), "uint16", data=ws.data)
         wsw = T.decl_buffer((O * (K // 64),), "uint32", data=ws.data)
-        w8 = T.decl_buffer((O * (K // 2),), "uint8", data=w.data)
-        s8 = T.decl_buffer((O * (K // 16),), "uint8", data=ws.data)
         if n <= 8:
-            small(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8)
+            small(n, xu, wu, wsh, wsw, ws2, res, out)
         else:
-            big(n, xu, wu, wsh, wsw, ws2, res, out, w8, s8)
+            big(n, xu, wu, wsh, wsw, ws2, res, out)
 
     return _entry(K, O, OO, dtype, out_dtype, has_res, True, run)
 
@@ -1019,7 +907,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
                epilogue: str = "none", *, unroll: int = 2, big_unroll: int = 1, min_warps: int = 1,
                max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132,
                row_tiles: int = 1, prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-               stages: int = 0, x_late: bool = False, tma_stages: int = 0):
+               stages: int = 0, x_late: bool = False):
     """y = x[n, in] @ dequant(W)^T + epilogue for NVFP4 weights, or None where it does not apply.
 
     prim_func(x[n, in] dtype, w[out, in/2] u8, w_scale[out, in/16] u8, w_scale_2[out] f32, [res], out), the
@@ -1034,7 +922,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
         f = _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, big_unroll=big_unroll,
                             min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, big_tiles=big_tiles,
                             sms=sms, row_tiles=row_tiles, prefetch=prefetch, big_row_tiles=big_row_tiles,
-                            big_prefetch=big_prefetch, stages=stages, x_late=x_late, tma_stages=tma_stages)
+                            big_prefetch=big_prefetch, stages=stages, x_late=x_late)
     else:
         f = _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
@@ -1052,8 +940,8 @@ def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None 
     out_dtype = out_dtype or dtype
     if weight_format == "nvfp4":
         return gemv_nvfp4(K, O, dtype, out_dtype, epilogue, min_warps=min_warps, max_warps=max_warps,
-                          target_warps=target_warps, fma_warps=fma_warps, sms=sms, row_tiles=nvfp4_row_tiles(O),
-                          **NVFP4_DEFAULTS)
+                          target_warps=target_warps, fma_warps=fma_warps, sms=sms,
+                          **{**NVFP4_DEFAULTS, **nvfp4_shape_params(O, epilogue)})
     if weight_format is not None:
         return None
     if not supported(K, O, dtype, out_dtype, epilogue):
@@ -1098,7 +986,7 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
                         big_unroll: int = 1, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048,
                         big_tiles: int = 4, fma_warps: int = 4, sms: int = 132, row_tiles: int = 1,
                         prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-                        stages: int = 0, x_late: bool = False, tma_stages: int = 0) -> str:
+                        stages: int = 0, x_late: bool = False) -> str:
     """Human-readable launch configuration of gemv_nvfp4() for a shape."""
     K, O = int(in_features), int(out_features)
     if not _nvfp4_mma_path(K, dtype):
@@ -1110,12 +998,12 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
     st = 0 if prefetch else nvfp4_stages(stages, K, nw, unroll, row_tiles, 1, -(-blocks // max(1, sms)))
     pf = " prefetch" if prefetch else (f" {st} cp.async stages" if st else "")
     pf += " x late" if x_late and not st else ""
-    pf += f" TMA ring of {tma_stages} stages + a producer warp" if tma_stages and not (st or prefetch) else ""
     bpf = " prefetch" if big_prefetch else ""
     return (f"nvfp4 mma grid {blocks} x {32 * nw} threads (min {mb} blocks/SM), {16 * row_tiles} rows x "
             f"{128 * unroll} k per warp-iteration{pf}, n>8: {8 * big_tiles} rows/pass x {32 * nwb} threads, "
             f"{16 * big_row_tiles} rows x {128 * big_unroll} k{bpf}")
 
 
-__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "nvfp4_row_tiles", "launch_config", "launch_config_nvfp4", "mma_warps",
-           "nvfp4_grid", "nvfp4_supported", "resident_blocks", "supported", "symbol"]
+__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "nvfp4_row_tiles", "nvfp4_shape_params",
+           "launch_config", "launch_config_nvfp4", "mma_warps", "nvfp4_grid", "nvfp4_supported", "resident_blocks",
+           "supported", "symbol"]

@@ -55,12 +55,6 @@ EMU_NVFP4_CASES = [
     (5120, 40, "residual", "bfloat16", "bfloat16", {"x_late": True}),
     (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"row_tiles": 2, "prefetch": True, "unroll": 1, "x_late": True}),
     (2560, 48, "none", "bfloat16", "float32", {"unroll": 4, "x_late": True, "target_warps": 1}),
-    # TMA ring: stages wrapping (10 stages of 1 warp x 256 K over a 2-stage ring), a short last stage (K = 1280
-    # over 2 warps x 512), rows past O with 2 tiles per block, silu row pairs
-    (2560, 48, "residual", "bfloat16", "bfloat16", {"tma_stages": 2, "target_warps": 1, "max_warps": 1}),
-    (1280, 40, "none", "bfloat16", "bfloat16", {"tma_stages": 3, "unroll": 4, "min_warps": 2, "max_warps": 2,
-                                                "row_tiles": 2}),
-    (1024, 80, "silu_mul", "bfloat16", "bfloat16", {"tma_stages": 4, "row_tiles": 2}),
 ]
 
 
@@ -158,7 +152,7 @@ def run_emulation(quick: bool = False, log=print, nvfp4: bool = True) -> list[di
     from .lib import EmuLib
 
     cases = [EMU_CASES[i] for i in (1, 2, 4, 7, 9)] if quick else EMU_CASES
-    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9, 12)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
+    ncases = ([EMU_NVFP4_CASES[i] for i in (1, 2, 4, 6, 7, 9, 12, 16)] if quick else EMU_NVFP4_CASES) if nvfp4 else []
     funcs = {}
     meta: list[tuple[str, int, int, str, str, str, dict, Optional[str]]] = []  # the last: weight format
     for i, (k, o, ep, dt, odt, prm) in enumerate(cases):

@@ -412,38 +412,6 @@ static inline void ninfer_gemv_cp_commit() {}
 #define ninfer_gemv_cp_wait4() ((void)0)
 #define ninfer_gemv_cp_wait5() ((void)0)
 #define ninfer_gemv_cp_wait6() ((void)0)
-// TMA ring: bulk copies happen at once; an mbarrier is {pending arrivals (bits 0-31), count (32-62), phase (63)};
-// a waiting fiber yields until the phase it waits on has completed (parity != current phase bit)
-static inline void emu_mbar_arrive(unsigned long long* b) {
-  unsigned pending = (unsigned)(*b & 0xffffffffull), count = (unsigned)((*b >> 32) & 0x7fffffffull);
-  unsigned long long phase = *b >> 63;
-  if (pending == 0) { fprintf(stderr, "mbarrier: arrival past its count\n"); abort(); }
-  if (--pending == 0) { pending = count; phase ^= 1ull; }
-  *b = (unsigned long long)pending | ((unsigned long long)count << 32) | (phase << 63);
-}
-static inline void ninfer_gemv_tma_init(void* bars, int stages, unsigned consumers, void* ring) {
-  (void)ring;
-  unsigned long long* b = (unsigned long long*)bars;
-  for (int s = 0; s < 2 * stages; ++s) {
-    unsigned c = s < stages ? 1u : consumers;
-    b[s] = (unsigned long long)c | ((unsigned long long)c << 32);
-  }
-}
-static inline void ninfer_gemv_tma_expect(void* bar, unsigned bytes) { (void)bytes; emu_mbar_arrive((unsigned long long*)bar); }
-static inline void ninfer_gemv_tma_load(void* dst, const void* src, unsigned bytes, void* bar) {
-  (void)bar;
-  if (((uintptr_t)dst & 15u) || ((uintptr_t)src & 15u) || (bytes & 15u) || !bytes) {
-    fprintf(stderr, "cp.async.bulk: dst %p src %p bytes %u not 16-byte aligned\n", dst, src, bytes); abort();
-  }
-  memcpy(dst, src, bytes);
-}
-static inline void ninfer_gemv_tma_wait(void* bar, unsigned parity) {
-  for (long spins = 0; (unsigned)(*(unsigned long long*)bar >> 63) == (parity & 1u); ++spins) {
-    if (spins > 100000000L) { fprintf(stderr, "mbarrier wait: no progress\n"); abort(); }
-    emu_yield();
-  }
-}
-static inline void ninfer_gemv_tma_arrive(void* bar) { emu_mbar_arrive((unsigned long long*)bar); }
 static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   uint64_t v = ((uint64_t)y << 32) | x; unsigned r = 0;
   for (int i = 0; i < 4; ++i) r |= (unsigned)((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
