@@ -19,6 +19,7 @@ from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
 from .inputs import ChainInputs, SeqLike, StepInputs
+from .replay_inputs import ReplayInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
@@ -82,6 +83,9 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
+        self.replay_graphs: Optional[GraphedFunction] = None  # gdn_replay (rollback without a re-feed)
+        self.replay_inputs: Optional[ReplayInputs] = None
+        self._replay_generation = 0
         self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (stage_draft_chain)
         self._chain_generation = 0
         self._graph_generation = 0
@@ -156,6 +160,7 @@ class ModelRunner:
         max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
+        self.replay_inputs = ReplayInputs(self.tvm, self.dev) if self.has_gdn_replay else None
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
             if self.has_verify:
@@ -164,6 +169,8 @@ class ModelRunner:
                 self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
             if self.has_mtp:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+            if self.has_gdn_replay:
+                self.replay_graphs = GraphedFunction(self.tvm, self.dev, self.vm["gdn_replay"])
         self._graph_generation = self.inputs.generation
 
     def zero_kv(self) -> None:
@@ -424,12 +431,19 @@ class ModelRunner:
         for s, first, n in items:
             if s.slot is None or first < 0 or first + n > total:
                 raise ValueError(f"replay rows {first}..{first + n} outside the verify's {total} rows (or no slot)")
-        assert self.inputs is not None  # allocate() made the input buffers
+        assert self.replay_inputs is not None  # allocate() made the input buffers
         rows = np.concatenate([np.arange(first, first + n, dtype=np.int32) for _, first, n in items])
         cu = np.concatenate([[0], np.cumsum([n for _, _, n in items])]).astype(np.int32)
         slots = np.array([s.slot for s, _, _ in items], np.int32)
-        self.vm["gdn_replay"](gdn_rows[0], gdn_rows[1], self.inputs.tensor(rows), self.inputs.tensor(cu),
-                              self.inputs.tensor(slots), self.conv_pool, self.ssm_pool, self.params)
+        args = self.replay_inputs.stage(gdn_rows, rows, cu, slots)
+        pools = [self.conv_pool, self.ssm_pool, self.params]
+        if self.replay_graphs is None:
+            self.vm["gdn_replay"](*args, *pools)
+            return
+        if self.replay_inputs.generation != self._replay_generation:  # its buffers moved (grew)
+            self.replay_graphs.reset()
+            self._replay_generation = self.replay_inputs.generation
+        self.replay_graphs(args, pools, wait=False)
 
     def _hidden_fn(self, name: str, taps: bool) -> str:
         if not taps:
