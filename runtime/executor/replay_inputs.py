@@ -28,15 +28,21 @@ class ReplayInputs:
         return self._bufs[name]._create_view(tuple(int(x) for x in shape), dtype, 0)
 
     def stage(self, gdn_rows: tuple, rows: np.ndarray, cu: np.ndarray, slots: np.ndarray) -> list:
-        """[qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids] views holding this call's values."""
+        """[qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids] views holding this call's values (for given shapes, at
+        the same addresses on every call)."""
         out = []
         for name, src in zip(("qkvz", "ba"), gdn_rows):
             view = self._view(name, tuple(int(x) for x in src.shape), str(src.dtype))
             src.copyto(view)
             out.append(view)
+        # the three index arrays uploaded in one copy (a host->device copy waits for the device), then split on the
+        # device into buffers of their own (a kernel argument must start its allocation)
+        packed = np.concatenate([np.asarray(a, np.int32).ravel() for a in (rows, cu, slots)])
+        self._view("index", packed.shape, "int32").copyfrom(packed)
+        at = 0
         for name, a in (("rows", rows), ("cu", cu), ("slots", slots)):
-            a = np.ascontiguousarray(a, np.int32)
-            view = self._view(name, a.shape, "int32")
-            view.copyfrom(a)
+            view = self._view(name, (len(a),), "int32")
+            self._bufs["index"]._create_view((len(a),), "int32", 4 * at).copyto(view)
             out.append(view)
+            at += len(a)
         return out
