@@ -95,3 +95,37 @@ def test_rejected_rounds_do_not_refeed(prompts, request):
     _, oft = _generate(prompts, forced_acceptance=2.5)
     assert oft.spec.no_draft_rounds > fst.spec.no_draft_rounds  # rounds that only re-feed
     assert oft.spec.tokens_per_round < fst.spec.tokens_per_round
+
+
+def test_state_of_an_ending_row_is_replayed_before_it_is_cached(prompts):
+    """A request that ends on a stop token inside a round (its state rolls back) while a later row of that round
+    has not settled: its replay runs before the KV manager keeps its state in the prefix cache, so a follow-up
+    turn reusing that state decodes as without speculation."""
+    def turns(spec, stop=None):
+        o = EngineConfig(max_concurrency=2, max_pending_requests=2, max_context=1024, host_kv_mib=0, spec=spec,
+                         draft_tokens=3)
+        eng = open_engine(ART, o)
+
+        def run(ids, stops=()):
+            return eng.submit(GenRequest(ids, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                             stop_token_ids=list(stops))))
+
+        def read(hd):
+            return [t for ev in hd.iter_sync(timeout=300) if hasattr(ev, "token_ids") for t in ev.token_ids]
+        try:
+            first, other = run(prompts[0], [stop] if stop is not None else []), run(prompts[1])
+            a = read(first)
+            read(other)
+            if stop is None:
+                return a
+            follow = read(run(prompts[0] + a + [5, 6, 7]))
+            return a, follow, eng.stats()
+        finally:
+            eng.stop()
+
+    plain = turns("none")
+    stop = next(t for i, t in enumerate(plain) if i >= 6 and t not in plain[:i])  # ends the first request early
+    base_a, base_follow, _ = turns("none", stop)
+    a, follow, st = turns("mtp", stop)
+    assert len(a) < 30 and st.cache["reused_prompt_tokens"] > 0 and st.spec.state_replays > 0
+    assert (a, follow) == (base_a, base_follow)

@@ -156,12 +156,11 @@ class SpeculativeDecoder:
             self.runner.replay_gdn(rows, items)
 
     def release(self, req: Request) -> None:
-        """The request ends or is preempted: drop its snapshot (a failed step may leave one) and the
-        proposer's state. Its sequence was settled; a readmission re-prefills what it needs."""
+        """The request ends or is preempted: run the pending replays (its state may be kept in the prefix cache),
+        drop its snapshot (a failed step may leave one) and the proposer's state. Its sequence was settled; a
+        readmission re-prefills what it needs."""
         self._unsettled.discard(req.rid)
-        self._replays = [r for r in self._replays if r[0] != req.rid]  # its slot goes with it
-        if not self._unsettled:
-            self.flush_replays()
+        self.flush_replays()  # its state reaches its length before the KV manager caches or frees it
         st = self.states.pop(req.rid, None)
         if st is None:
             return
