@@ -36,7 +36,7 @@ for step in "$@"; do
     mem) run mem 300 python3 bench/prefill_memory.py ${MEM_ART:-${PREP:-.gpu/prep}/tiny-bf16} --device cuda --lengths ${MEM_LENGTHS:-30} ${MEM_ARGS:-} ;;
     bench) run bench ${BENCH_TIMEOUT:-540} python3 ${BENCH:-bench}/gpu_bench.py bench ${PREP:-.gpu/prep} $OUT/bench.json ${BENCH_ARGS:-} ;;
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json --skip-forced ;;
-    specforced) [ -d .gpu/spec/q27b-taps ] && run specforced 560 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;
+    specforced) S=${SPEC_DIR:-.gpu/spec}; [ -d $S/q27b-taps ] && run specforced 560 python3 ${BENCH:-bench}/spec_gpu_bench.py run $S $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;
     dflash) [ -d .gpu/dflash ] && run dflash 300 python3 bench/dflash_gpu_check.py run .gpu/dflash $OUT/dflash.json ;;
     serve) servewhl; run serve ${SERVE_TIMEOUT:-570} python3 ${BENCH:-bench}/serve_bench.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;

@@ -121,7 +121,10 @@ def _measure(eng, prompts, gen: int) -> dict:
                     "tokens_per_drafting_round": round((sp.accepted_tokens - before.accepted_tokens) / max(1, drafting)
                                                        + 1, 3),
                     "rounds_per_request": round(per_req_rounds, 2),
-                    "ms_per_round": round(pred_ms / per_req_rounds, 3)})
+                    "ms_per_round": round(pred_ms / per_req_rounds, 3),
+                    # rollbacks by GDN state replay (no re-feed) vs re-fed rows (libraries without gdn_replay)
+                    "state_replays": sp.state_replays - before.state_replays,
+                    "recompute_tokens": sp.recompute_tokens - before.recompute_tokens})
     rounds = sp.rounds - before.rounds
     if rounds:  # where a round's time goes (runtime/stats.py SpecCounters phases), per engine round
         from ninfer_mlc.runtime.stats import phase_ms
@@ -184,7 +187,8 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
                 eng.stop()
             toks = row.pop("tokens")
             # CUDA-graph counters so far (cumulative over the runs): replays vs eager calls of the round's functions
-            row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs")
+            row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs",
+                                                       "replay_graphs")
                              if (g := getattr(runner, n, None)) is not None}
             if refeed is not None:
                 pass  # another round structure: forced rows keep other tokens

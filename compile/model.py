@@ -8,7 +8,12 @@ Exported functions (all KV and recurrent state is runtime-owned and updated in p
       -> (logits[b,V] f32, ...) one token per sequence; GDN uses the recurrent step.
 Speculative decoding (final hidden states are post-norm, fp32):
   prefill_h(same as prefill) -> (logits[r,V], hidden[n,D], pools...)
-  verify(tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, pools...) -> (logits[n,V], hidden[n,D], pools...)
+  verify(tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, pools...)
+      -> (logits[n,V], hidden[n,D], qkvz_rows[L,n,conv_dim+value_dim], ba_rows[L,n,2Hv], pools...)
+      qkvz_rows / ba_rows: the L GDN layers' projections of every row (models with GDN layers)
+  gdn_replay(qkvz_rows, ba_rows, rows[m], cu_seqlens[b+1], slot_ids[b], conv_pool, ssm_pool) -> (conv_pool, ssm_pool)
+      advances each slot's conv + recurrent state over the chosen verify rows (a partly accepted round's
+      prefix, from the pre-verify state) as the verify did: speculative rollback without a re-feed
   with the MTP head (mtp=True; mtp_kv_pool [num_pages, 1, 2, kv_heads, 64, head_dim], the main page tables):
   mtp_step(hidden[n,D], next_tokens[n], positions[n], token_seq[n], page_table, mtp_kv_pool)
       -> (logits[n,V], hidden_out[n,D], mtp_kv_pool)
@@ -16,7 +21,7 @@ Speculative decoding (final hidden states are post-norm, fp32):
   mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
 With tap layers (a DFlash drafter's target_layer_ids, `ninfer compile --tap-layers`):
   prefill_t(same as prefill) -> (logits[r,V], taps[n, T*D], pools...)
-  verify_t(same as verify) -> (logits[n,V], taps[n, T*D], pools...)
+  verify_t(same as verify) -> (logits[n,V], taps[n, T*D], qkvz_rows, ba_rows, pools...)
       taps: the outputs of decoder layers tap_layers (HF hidden_states[id + 1]), concatenated, in the
       activation dtype; the plain functions are unchanged.
 Images (multimodal=True, Qwen3_5ForConditionalGeneration checkpoints):
@@ -306,26 +311,41 @@ class GatedDeltaNet(nn.Module):
         ss = op.sum(x * x, axis=[-1], keepdims=True)
         return x / op.sqrt(ss + 1e-6)
 
-    def forward(self, x, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent: bool, residual=None):
-        """residual: return residual + gdn(x) (fused into out_proj by the decode GEMV)."""
-        cfg = self.cfg
-        n = x.shape[0]
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    def forward(self, x, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent: bool, residual=None,
+                keep: list | None = None):
+        """residual: return residual + gdn(x) (fused into out_proj by the decode GEMV).
+        keep: a list that receives this layer's (qkvz, ba) projections, the inputs replay() needs."""
         qkvz = self.in_proj_qkv_z(x)
         ba = self.in_proj_ba(x)
+        if keep is not None:
+            keep.append((qkvz, ba))
+        o, conv_pool, ssm_pool = self._mix(qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent)
+        return _project(self.out_proj, o, residual), conv_pool, ssm_pool
+
+    def replay(self, qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool):
+        """Advance the conv and recurrent state over rows whose projections a verify kept, as that verify's
+        (chunked) forward did, without the output: the accepted prefix of a speculative round."""
+        _, conv_pool, ssm_pool = self._mix(qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool, False, output=False)
+        return conv_pool, ssm_pool
+
+    def _mix(self, qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent: bool, output: bool = True):
+        """Conv + delta rule over the projections: (gated-normed output [n, value_dim] or None, pools)."""
+        cfg = self.cfg
+        n = qkvz.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         fused_prefill = not recurrent and self.prep_kernel is not None and self.gated_norm_kernel is not None
         if not fused_prefill:
             qkv, z = op.split(qkvz, [cfg.conv_dim], axis=1)
             z = op.reshape(z, (n, hv, dv))
         if recurrent and self.decode_kernel is not None:
-            return self._fused_decode(qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual)
+            return self._fused_decode(qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool)
         b, a = op.split(ba, 2, axis=1)
         beta = op.sigmoid(b).astype("float32")
         a = a.astype("float32")
         g = op.negative(op.exp(self.A_log)) * op.softplus(a + self.dt_bias)
         if fused_prefill:
-            return self._fused_prefill(qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual)
+            return self._fused_prefill(qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, output)
         conv_pool, u = op.tensor_ir_inplace_op(
             self.conv_kernel, "gdn_conv",
             [qkv, cu_seqlens, slot_ids, conv_pool, self.conv1d.weight, _i32(self.slot)],
@@ -347,12 +367,14 @@ class GatedDeltaNet(nn.Module):
                 self.chunk_kernel, "gdn_chunk",
                 [q, k, v, g, beta, cu_seqlens, slot_ids, ssm_pool, _i32(self.slot)], [7, -1], [ssm_pool, out],
             )
+        if not output:
+            return None, conv_pool, ssm_pool
         # gated RMSNorm: normalise in fp32, plain weight, times silu(z)
         o = op.rms_norm(o, self.norm.weight, axes=[-1], epsilon=cfg.rms_norm_eps).astype(self.dtype)
         o = (o.astype("float32") * op.silu(z.astype("float32"))).astype(self.dtype)
-        return _project(self.out_proj, op.reshape(o, (n, cfg.value_dim)), residual), conv_pool, ssm_pool
+        return op.reshape(o, (n, cfg.value_dim)), conv_pool, ssm_pool
 
-    def _fused_prefill(self, qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual):
+    def _fused_prefill(self, qkvz, g, beta, cu_seqlens, slot_ids, conv_pool, ssm_pool, output: bool = True):
         """Prefill (CUDA): conv + q/k/v split + L2 norms in one launch, the chunked delta rule, then the
         gated RMSNorm reading z in place from the projection (no split copies)."""
         cfg = self.cfg
@@ -370,11 +392,13 @@ class GatedDeltaNet(nn.Module):
             [q, k, v, g, beta, cu_seqlens, slot_ids, ssm_pool, _i32(self.slot)], [7, -1],
             [ssm_pool, nn.Tensor.placeholder((n, hv, dv), "float32")],
         )
+        if not output:
+            return None, conv_pool, ssm_pool
         o = op.tensor_ir_op(self.gated_norm_kernel, "gdn_gated_norm", [o, qkvz, self.norm.weight],
                             nn.Tensor.placeholder((n, cfg.value_dim), self.dtype))
-        return _project(self.out_proj, o, residual), conv_pool, ssm_pool
+        return o, conv_pool, ssm_pool
 
-    def _fused_decode(self, qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool, residual):
+    def _fused_decode(self, qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool):
         """Decode: conv, then gates + L2 norms + recurrent step + gated RMSNorm in one launch."""
         cfg = self.cfg
         n = qkv.shape[0]
@@ -388,7 +412,7 @@ class GatedDeltaNet(nn.Module):
             [u, ba, z, self.A_log, self.dt_bias, self.norm.weight, slot_ids, ssm_pool, _i32(self.slot)],
             [7, -1], [ssm_pool, nn.Tensor.placeholder((n, cfg.value_dim), self.dtype)],
         )
-        return _project(self.out_proj, o, residual), conv_pool, ssm_pool
+        return o, conv_pool, ssm_pool
 
 
 class DecoderLayer(nn.Module):
@@ -478,8 +502,10 @@ class Qwen3xForCausalLM(nn.Module):
         return decode_gemv_scope(self._gemv_factory)
 
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
-              kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None, taps: list | None = None):
-        """taps: a list that receives the output of every decoder layer in self.tap_layers, in order."""
+              kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None, taps: list | None = None,
+              keep: list | None = None):
+        """taps: a list that receives the output of every decoder layer in self.tap_layers, in order.
+        keep: a list that receives every GDN layer's (qkvz, ba) projections, in order (GatedDeltaNet.forward)."""
         rope = (self.rope_inv_freq, self.rope_attn_factor)
         rp = {} if rope_positions is None else {"rope_positions": rope_positions}
         tap_at = {i: self.tap_layers.index(i) for i in self.tap_layers} if taps is not None else {}
@@ -493,7 +519,7 @@ class Qwen3xForCausalLM(nn.Module):
                     x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x, **rp)
                 else:
                     x, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool,
-                                                               recurrent, residual=x)
+                                                               recurrent, residual=x, keep=keep)
                 x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
                 if li in tap_at:
                     tapped[tap_at[li]] = x
@@ -503,7 +529,8 @@ class Qwen3xForCausalLM(nn.Module):
             if layer.kind == "full_attention":
                 h, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, **rp)
             else:
-                h, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent)
+                h, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent,
+                                                           keep=keep)
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in tap_at:
@@ -585,14 +612,40 @@ class Qwen3xForCausalLM(nn.Module):
             return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
 
     def verify(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
-        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row.
+        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row, and every GDN
+        layer's projections of every row (gdn_replay's input: the accepted prefix's state without a re-feed).
         Rows are batch x (draft tokens + 1), few: projections take the decode GEMV where there is one."""
         with self._decode_gemv():
+            keep: list = []
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
-                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False)
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False,
+                keep=keep)
             hn = self.model.norm(x)
-            return self._head(hn), hn.astype("float32"), kv_pool, conv_pool, ssm_pool
+            return (self._head(hn), hn.astype("float32"), *self._stack_kept(keep), kv_pool, conv_pool, ssm_pool)
+
+    @staticmethod
+    def _stack_kept(keep: list) -> tuple:
+        """The kept GDN projections as two outputs: qkvz [L, n, conv_dim + value_dim], ba [L, n, 2 Hv]."""
+        if not keep:  # no GDN layer
+            return ()
+        return tuple(op.concat([op.unsqueeze(t[i], 0) for t in keep], dim=0) for i in range(2))
+
+    def gdn_replay(self, qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids, conv_pool, ssm_pool):
+        """Advance the state slots over verify rows: the rows `rows` of a verify's kept projections (qkvz_rows,
+        ba_rows: its outputs 2 and 3), sequence b owning rows[cu[b]:cu[b+1]], each starting from its slot.
+        After a partly accepted round the runtime puts back the pre-verify state and replays the accepted
+        prefix: exactly the state that verify reached at that row, with no re-feed of the target."""
+        qkvz = op.take(qkvz_rows, rows, axis=1)
+        ba = op.take(ba_rows, rows, axis=1)
+        m = rows.shape[0]
+        gdn = [layer.linear_attn for layer in self.model.layers if layer.kind != "full_attention"]
+        qkvz_l = op.split(qkvz, len(gdn), axis=0) if len(gdn) > 1 else [qkvz]
+        ba_l = op.split(ba, len(gdn), axis=0) if len(gdn) > 1 else [ba]
+        for attn, q, b in zip(gdn, qkvz_l, ba_l):
+            conv_pool, ssm_pool = attn.replay(op.reshape(q, (m, q.shape[2])), op.reshape(b, (m, b.shape[2])),
+                                              cu_seqlens, slot_ids, conv_pool, ssm_pool)
+        return conv_pool, ssm_pool
 
     # ---- DFlash drafters: the tap layers' outputs (residual stream, activation dtype) -----------------
     def prefill_t(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
@@ -607,13 +660,16 @@ class Qwen3xForCausalLM(nn.Module):
             return logits, op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
 
     def verify_t(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
-        """verify with the tap layers' outputs of every row instead of the final hidden state."""
+        """verify with the tap layers' outputs of every row instead of the final hidden state (and the kept GDN
+        projections, as verify's)."""
         with self._decode_gemv():
             taps: list = []
+            keep: list = []
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
-                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps)
-            return self._logits(x), op.concat(taps, dim=-1), kv_pool, conv_pool, ssm_pool
+                x, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool, False, taps=taps,
+                keep=keep)
+            return (self._logits(x), op.concat(taps, dim=-1), *self._stack_kept(keep), kv_pool, conv_pool, ssm_pool)
 
     def _mtp(self, hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool):
         """MTP rows: row i pairs the main hidden h at positions[i] with the token at positions[i] + 1;
@@ -738,10 +794,22 @@ class Qwen3xForCausalLM(nn.Module):
             "page_table": nn.spec.Tensor(["b", "p"], i32),
             "slot_ids": nn.spec.Tensor(["b"], i32),
         }
+        cfg = self.cfg
         out = {
             "prefill_h": {**ragged, "logit_rows": nn.spec.Tensor(["r"], i32), **pools, "$": mode},
             "verify": {**ragged, **pools, "$": mode},
         }
+        if cfg.gdn_layers:  # verify keeps the GDN projections; gdn_replay advances the state over them
+            out["gdn_replay"] = {
+                "qkvz_rows": nn.spec.Tensor([len(cfg.gdn_layers), "n", cfg.conv_dim + cfg.value_dim], self.dtype),
+                "ba_rows": nn.spec.Tensor([len(cfg.gdn_layers), "n", 2 * cfg.linear_num_value_heads], self.dtype),
+                "rows": nn.spec.Tensor(["m"], i32),
+                "cu_seqlens": nn.spec.Tensor(["bp1"], i32),
+                "slot_ids": nn.spec.Tensor(["b"], i32),
+                "conv_pool": pools["conv_pool"],
+                "ssm_pool": pools["ssm_pool"],
+                "$": mode,
+            }
         if self.tap_layers:
             out["prefill_t"] = {**ragged, "logit_rows": nn.spec.Tensor(["r"], i32), **pools, "$": mode}
             out["verify_t"] = {**ragged, **pools, "$": mode}

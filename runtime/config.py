@@ -78,10 +78,11 @@ class EngineConfig:
     lm_head_draft: Optional[str] = _f(None, "spec mtp: shortlisted proposal head, N (the N lowest token ids) or a "
                                             "file of token ids; verification always uses the full head",
                                       metavar="N|FILE")
-    spec_refeed_max: Optional[int] = _f(None, "most rolled-back tokens a row re-feeds at the front of a verify that "
-                                              "still drafts (a rejection restores the state from before the verify, "
-                                              "so kept tokens wait for the next one); past it a round re-feeds "
-                                              "them without drafts", metavar="N", default_text="draft tokens + 1")
+    spec_refeed_max: Optional[int] = _f(None, "libraries without gdn_replay only (compiled before it; current ones "
+                                              "replay the kept rows' GDN state and re-feed nothing): most rolled-back "
+                                              "tokens a row re-feeds at the front of a verify that still drafts; past "
+                                              "it a round re-feeds them without drafts", metavar="N",
+                                        default_text="draft tokens + 1")
     forced_acceptance: Optional[float] = _f(None, "BENCHMARK ONLY: force this many tokens per round (kept drafts + "
                                                   "1, e.g. 3.18) whatever the target says; the output is not the "
                                                   "model's (ninfer serve needs --allow-forced-acceptance)",

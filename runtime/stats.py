@@ -41,6 +41,8 @@ class SpecCounters:
     verify_tokens: int = 0
     recompute_tokens: int = 0
     rollbacks: int = 0
+    state_replays: int = 0  # rollbacks that replayed the accepted prefix's GDN state (no re-feed: gdn_replay)
+    replayed_rows: int = 0  # verify rows those replays ran through the GDN layers
     no_draft_rounds: int = 0
     forced_acceptance: Optional[float] = None  # BENCHMARK ONLY: forced tokens per round (spec/forced.py)
     device_rounds: int = 0  # rounds whose drafts / acceptance ran on the device (spec/device_round.py)

@@ -65,3 +65,20 @@ def secured_server(server_engine):
     srv.state = state
     yield srv
     srv.stop()
+
+
+# ---- speculative rollback (tests/test_spec_rollback.py, test_spec_device.py) ------------------------
+@pytest.fixture
+def without_gdn_replay(monkeypatch):
+    """Engines opened while it is active behave as with a library that has no gdn_replay: the verify keeps no
+    GDN rows and a rejected round re-feeds its kept tokens (the fallback for older libraries)."""
+    from ninfer_mlc.runtime.executor.model_runner import ModelRunner
+
+    run = ModelRunner.run_verify
+
+    def run_verify(self, *a, **kw):
+        out = run(self, *a, **kw)
+        self.verify_gdn_rows = None
+        return out
+
+    monkeypatch.setattr(ModelRunner, "run_verify", run_verify)

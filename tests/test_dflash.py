@@ -210,8 +210,8 @@ def _replayed_verify(eng):
 
 
 def test_engine_context_matches_reference(arts, hf_target):
-    """Forced acceptance (drafts kept whatever the target says, so rounds keep several rows, and rounds
-    that only re-feed rolled-back tokens draft nothing), chunked prefill, two requests, verify outputs
+    """Forced acceptance (drafts kept whatever the target says, so rounds keep several rows, and rejected
+    rounds roll back by replaying the kept rows' GDN state), chunked prefill, two requests, verify outputs
     overwritten by the next verify as CUDA-graph replays do: every block the engine drafts sees the context
     the reference builds from the committed tokens, also past the ring (window 24 + block 8 < the contexts).
     The forced profile is labelled in the stats and the timings."""
@@ -230,7 +230,8 @@ def test_engine_context_matches_reference(arts, hf_target):
     finally:
         eng.stop()
     assert sp.forced_acceptance == 3.5 and all(f.timings["draft_forced_acceptance"] == 3.5 for f in fins)
-    drafting_rounds = sp.row_rounds - sp.no_draft_rounds  # the rest re-fed rolled-back tokens
+    assert sp.recompute_tokens == 0 and sp.state_replays == sp.rollbacks > 0  # rollback by GDN replay, no re-feed
+    drafting_rounds = sp.row_rounds - sp.no_draft_rounds  # the rest had no room left to draft
     assert 1.8 <= sp.accepted_tokens / drafting_rounds <= 2.5  # 3.5 tokens: 2.5 drafts (fewer near the ends)
     tokens = {h.id: p + o for h, p, o in zip(hs, prompts, outs)}
     checked = 0

@@ -211,6 +211,7 @@ def test_greedy_identical(prompts, baseline, case):
     assert sum(t["draft_n"] for t in timings) == sp.draft_tokens
     assert sum(t["draft_n_accepted"] for t in timings) == sp.accepted_tokens
     assert sp.device_rounds == sp.rounds  # greedy rounds accept on the device (tests/test_spec_device.py)
+    assert sp.recompute_tokens == 0 and sp.state_replays == sp.rollbacks  # rollback by replay (test_spec_rollback.py)
     if case.get("kv_tokens"):
         assert stats.counters.preemptions > 0
     if case["spec"] == "draft":  # the model drafting for itself: every greedy draft is accepted

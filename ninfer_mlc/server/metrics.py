@@ -30,7 +30,7 @@ _COUNTERS: dict[str, set] = {
     "memory": {"allocations", "allocation_refusals", "scatter_allocations", "fragmented_misses", "grows",
                "grow_refusals", "state_grows"},
     "spec": {"draft_n", "draft_n_accepted", "rounds", "row_rounds", "emitted_tokens", "verify_tokens",
-             "recompute_tokens", "rollbacks", "no_draft_rounds"},
+             "recompute_tokens", "rollbacks", "state_replays", "no_draft_rounds"},
 }
 
 _HELP: dict[str, str] = {

@@ -147,7 +147,7 @@ CACHE_REUSE_KEYS = ("lookups", "frontier_hits", "checkpoint_hits", "misses", "re
 KV_TRANSFER_KEYS = tuple(f"kv_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("pages", "bytes", "seconds"))
 STATE_TRANSFER_KEYS = tuple(f"state_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("count", "bytes", "seconds"))
 SPEC_EXTRA_KEYS = ("draft_tokens_max", "rounds", "row_rounds", "emitted_tokens", "tokens_per_round", "verify_tokens",
-                   "recompute_tokens", "rollbacks", "no_draft_rounds", "device_rounds")
+                   "recompute_tokens", "rollbacks", "state_replays", "replayed_rows", "no_draft_rounds", "device_rounds")
 PRESSURE_PLANNER_KEYS = ("spill_pages", "partial_tail_cow_pages", "private_owners_demoted", "private_owners_evicted",
                          "host_owners_evicted", "owners_evicted_total", "checkpoints_taken", "checkpoints_dropped",
                          "restores_device", "restores_host", "restore_failures", "planner_runs", "demote_failures",

@@ -19,6 +19,7 @@ from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
 from .inputs import ChainInputs, SeqLike, StepInputs
+from .replay_inputs import ReplayInputs
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
@@ -52,6 +53,11 @@ class ModelRunner:
         self.sample_vocab = self.vocab_size
         has = self.vm.module.implements_function
         self.has_verify = bool(has("verify") and has("prefill_h"))
+        # verify / verify_t also return every GDN layer's projections of every row, and gdn_replay advances a
+        # state slot over chosen rows of them: a partly accepted round keeps its prefix without a re-feed.
+        # Older libraries lack it (their rollback re-feeds the kept tokens: spec/decoder.py)
+        self.has_gdn_replay = bool(self.has_verify and has("gdn_replay"))
+        self.verify_gdn_rows: Any = None  # (qkvz_rows, ba_rows) of the last verify call (has_gdn_replay)
         self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
         # DFlash drafters: the tap layers prefill_t / verify_t return (compile --tap-layers)
         self.tap_layers = [int(i) for i in m.extras.get("tap_layers") or []]
@@ -77,6 +83,9 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
+        self.replay_graphs: Optional[GraphedFunction] = None  # gdn_replay (rollback without a re-feed)
+        self.replay_inputs: Optional[ReplayInputs] = None
+        self._replay_generation = 0
         self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (stage_draft_chain)
         self._chain_generation = 0
         self._graph_generation = 0
@@ -151,6 +160,7 @@ class ModelRunner:
         max_pages = -(-(self.manifest.max_context + 64) // self.page_size)
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
+        self.replay_inputs = ReplayInputs(self.tvm, self.dev) if self.has_gdn_replay else None
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
             if self.has_verify:
@@ -159,6 +169,8 @@ class ModelRunner:
                 self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
             if self.has_mtp:
                 self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+            if self.has_gdn_replay:
+                self.replay_graphs = GraphedFunction(self.tvm, self.dev, self.vm["gdn_replay"])
         self._graph_generation = self.inputs.generation
 
     def zero_kv(self) -> None:
@@ -400,8 +412,38 @@ class ModelRunner:
                         src = rows._create_view((1,), "int32", 4 * (j * b + r))
                         src.copyto(self.inputs.r_tokens.view((1,), at + j))
         if graphs is not None:
-            return graphs(args, self._pools(), wait=wait), cu
-        return self.vm[name](*args, *self._pools()), cu
+            out = graphs(args, self._pools(), wait=wait)
+        else:
+            out = self.vm[name](*args, *self._pools())
+        self.verify_gdn_rows = (out[2], out[3]) if self.has_gdn_replay else None
+        return out, cu
+
+    def replay_gdn(self, gdn_rows: tuple, items: Sequence[tuple[SeqLike, int, int]]) -> None:
+        """Advance state slots over verify rows (gdn_replay): gdn_rows, a verify's verify_gdn_rows (valid until the
+        next verify of that shape); items (sequence, index of its first row among that verify's rows, row count),
+        each sequence's slot holding the state before those rows. Queued on the device, not waited for."""
+        if not self.has_gdn_replay:
+            raise RuntimeError(f"{self.art_dir.name} lacks gdn_replay; recompile it with this version of `ninfer compile`")
+        items = [(s, int(first), int(n)) for s, first, n in items if n > 0]
+        if not items:
+            return
+        total = int(gdn_rows[0].shape[1])
+        for s, first, n in items:
+            if s.slot is None or first < 0 or first + n > total:
+                raise ValueError(f"replay rows {first}..{first + n} outside the verify's {total} rows (or no slot)")
+        assert self.replay_inputs is not None  # allocate() made the input buffers
+        rows = np.concatenate([np.arange(first, first + n, dtype=np.int32) for _, first, n in items])
+        cu = np.concatenate([[0], np.cumsum([n for _, _, n in items])]).astype(np.int32)
+        slots = np.array([s.slot for s, _, _ in items], np.int32)
+        args = self.replay_inputs.stage(gdn_rows, rows, cu, slots)
+        pools = [self.conv_pool, self.ssm_pool, self.params]
+        if self.replay_graphs is None:
+            self.vm["gdn_replay"](*args, *pools)
+            return
+        if self.replay_inputs.generation != self._replay_generation:  # its buffers moved (grew)
+            self.replay_graphs.reset()
+            self._replay_generation = self.replay_inputs.generation
+        self.replay_graphs(args, pools, wait=False)
 
     def _hidden_fn(self, name: str, taps: bool) -> str:
         if not taps:

@@ -6,15 +6,18 @@ It plugs into the engine in two places and touches nothing else of it:
     how many of a round's tokens the scheduler committed, so the state can follow);
   - as the executor of decode rows (`round`) and of prefills (`prefill`, which also feeds the MTP
     head), returning the tokens each row produced for the scheduler to commit.
-GDN state rollback: a row's state slot is copied (KV manager snapshot) before verification. When not
-everything verified is committed, the snapshot becomes the row's state again and the kept tokens are
-re-fed at the front of the next verification. KV written past the committed length is harmless:
-attention only reads positions <= the query's, and those get rewritten.
+GDN state rollback: a row's state slot is copied (KV manager snapshot) before verification, and the verify
+returns every GDN layer's projections of its rows. When not everything verified is committed, the snapshot
+becomes the row's state again and the library's gdn_replay advances it over the kept prefix's rows (conv +
+delta rule only, as the verify computed them: no target forward, no re-feed); the replays of a round's rows
+run in one call once the last of them settles. Libraries without gdn_replay re-feed the kept tokens at the
+front of the next verification instead. KV written past the committed length is harmless: attention only
+reads positions <= the query's, and those get rewritten.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -77,6 +80,10 @@ class SpeculativeDecoder:
         self.hidden_kw = {"taps": True} if getattr(proposer, "target_hidden", "final") == "taps" else {}
         self.before_round = getattr(proposer, "before_round", None)
         self.states: dict[int, SpecState] = {}
+        # rollbacks by replay (runner.gdn_replay): those of the round's rows settled so far, run once the round's
+        # last row settles (or before anything else runs); the rows of the round not settled yet
+        self._replays: list[tuple[int, Any, tuple, int, int]] = []  # (rid, sequence, verify rows, first row, count)
+        self._unsettled: set[int] = set()
         self.refeed_max = draft_tokens + 1 if refeed_max is None else int(refeed_max)
         self.argmax = DeviceArgmax(runner) if device_rounds and supports_device_sampler(runner.manifest, runner.vm) \
             else None
@@ -115,6 +122,15 @@ class SpeculativeDecoder:
             if rd.snap is not None:
                 self.kv.drop_snapshot(rd.snap[0])
             st.unfed = None
+        elif rd.snap is not None and rd.gdn_rows is not None and rd.first_row >= 0:
+            # the pre-verify state, advanced over the rows of what was kept (re-fed, pending, kept drafts)
+            n = len(rd.refed) + 1 + kept
+            self.kv.restore_snapshot(req.live_seq, rd.snap[0], rd.snap[1] + n)
+            self._replays.append((req.rid, req.live_seq, rd.gdn_rows, rd.first_row, n))
+            self.counters.rollbacks += 1
+            self.counters.state_replays += 1
+            self.counters.replayed_rows += n
+            st.unfed = None
         else:
             if rd.snap is not None:
                 self.kv.restore_snapshot(req.live_seq, *rd.snap)
@@ -122,11 +138,29 @@ class SpeculativeDecoder:
             st.unfed = rd.refed + [rd.pending] + rd.out[:kept]
         assert rd.hidden is not None  # round() stored the verify rows
         self.proposer.after_verify(req, st, rd.hidden[: kept + 1], kept, len(rd.drafts), rd.start)
+        self._unsettled.discard(req.rid)
+        if not self._unsettled:
+            self.flush_replays()
         self.counters.settle_s += time.perf_counter() - t0
 
+    def flush_replays(self) -> None:
+        """Run the pending rollback replays (one gdn_replay per verify call): the state slots then hold exactly
+        the committed tokens before each pending one."""
+        if not self._replays:
+            return
+        by_call: dict[int, tuple] = {}
+        for _, seq, rows, first, n in self._replays:
+            by_call.setdefault(id(rows), (rows, []))[1].append((seq, first, n))
+        self._replays = []
+        for rows, items in by_call.values():
+            self.runner.replay_gdn(rows, items)
+
     def release(self, req: Request) -> None:
-        """The request ends or is preempted: drop its snapshot (a failed step may leave one) and the
-        proposer's state. Its sequence was settled; a readmission re-prefills what it needs."""
+        """The request ends or is preempted: run the pending replays (its state may be kept in the prefix cache),
+        drop its snapshot (a failed step may leave one) and the proposer's state. Its sequence was settled; a
+        readmission re-prefills what it needs."""
+        self._unsettled.discard(req.rid)
+        self.flush_replays()  # its state reaches its length before the KV manager caches or frees it
         st = self.states.pop(req.rid, None)
         if st is None:
             return
@@ -137,6 +171,7 @@ class SpeculativeDecoder:
     # ---- the executor's side ----------------------------------------------------------------
     def prefill(self, batch: list[tuple[Request, list[int]]]) -> list[np.ndarray]:
         """The target's prefill (last-row logits per sequence); with MTP also fills the head."""
+        self.flush_replays()  # (a round whose rows did not all settle)
         for req, _ in batch:  # a (re)admitted request's feed already holds any unfed tokens
             self.state(req).unfed = None
         if not self.proposer.wants_prefill_hidden:
@@ -161,6 +196,8 @@ class SpeculativeDecoder:
     def round(self, work: list[DecodeWork]) -> dict[int, RowResult]:
         c = self.counters
         t_round = time.perf_counter()
+        self.flush_replays()  # (a round whose rows did not all settle)
+        self._unsettled = {w.req.rid for w in work}
         if self.before_round is not None:
             self.before_round()
         for w in work:
@@ -184,6 +221,10 @@ class SpeculativeDecoder:
         t, t0 = time.perf_counter(), t
         c.propose_s += t - t0
         batch = [(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work]
+        at = 0
+        for w, (_, toks) in zip(work, batch):
+            self._record(w.req).first_row = at
+            at += len(toks)
         if on_device:
             results = self._verify_accept_device(work, batch, t, chain, drafting)
         else:
@@ -196,6 +237,7 @@ class SpeculativeDecoder:
             c.accept_s += time.perf_counter() - t
         for w in work:
             rd = self._record(w.req)
+            rd.gdn_rows = self.runner.verify_gdn_rows  # what a rollback replays (None: it re-feeds)
             c.draft_tokens += len(rd.drafts)
             c.accepted_tokens += results[w.req.rid].accepted
             c.verify_tokens += len(w.feed) + len(rd.drafts)

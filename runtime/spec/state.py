@@ -18,6 +18,8 @@ class RoundRecord:
     start: int  # position of `pending`
     hidden: Optional[np.ndarray] = None  # verify hidden rows of pending + drafts
     snap: Optional[tuple[int, int]] = None  # (snapshot slot, length before the verification)
+    first_row: int = -1  # index of the row's first token among the verify's rows (-1: not verified yet)
+    gdn_rows: Any = None  # the verify's kept GDN projections (runner.verify_gdn_rows): rollback without re-feed
 
 
 @dataclass
