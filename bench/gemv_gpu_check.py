@@ -115,6 +115,12 @@ NVFP4_VARIANTS = {
     "pf-xl-u4": {"prefetch": True, "x_late": True, "unroll": 4},
     "rt2-pf-xl-u1": {"row_tiles": 2, "prefetch": True, "x_late": True, "unroll": 1},
     "rt2-pf-xl": {"row_tiles": 2, "prefetch": True, "x_late": True},
+    # probes (WRONG results, expected mismatches): the same launch without the block-scale multiply / without any
+    # dequantization, i.e. what a cheaper dequantization could buy at most
+    "rt2-noscale": {"row_tiles": 2, "probe": "noscale"},
+    "rt2-nodq": {"row_tiles": 2, "probe": "nodq"},
+    "pf-xl-noscale": {"prefetch": True, "x_late": True, "probe": "noscale"},
+    "pf-xl-nodq": {"prefetch": True, "x_late": True, "probe": "nodq"},
     "b-rt2": {"big_row_tiles": 2},
     "b-pf": {"big_prefetch": True},
 }

@@ -100,10 +100,12 @@ def _fit_tokens(runner_kv_bytes_per_token: float, reserve_bytes: int) -> int | N
 
 def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ctxs: list[int], steps: int = 8,
                 warm: int = 3, prefill_chunk: int = 512, rates: bool = True, reserve_gib: float = 8.0,
-                budget_s: float = 1e9, profile: bool = False) -> dict:
+                budget_s: float = 1e9, profile: bool = False, device_argmax: bool = False) -> dict:
     """Harness decode step times and prefill times for the given shapes, with floors (see module doc).
     profile: also a CUPTI kernel breakdown (gpu_bench._profile) of one decode step per shape and of the
-    first prefill chunk per context, under res["profile"]."""
+    first prefill chunk per context, under res["profile"].
+    device_argmax: each decode step ends in the library's sampler (greedy) on the device and only the token ids
+    come to the host, as in the engine with device sampling (default: the [B, V] logits come to the host)."""
     from ninfer_mlc.contract.manifest import read_manifest
     from ninfer_mlc.runtime.harness import Harness
 
@@ -128,6 +130,17 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
     res["facts"] = facts
     rng = np.random.default_rng(0)
     vocab = h.vocab_size
+    res["decode_output"] = "token ids (device argmax)" if device_argmax else "logits to the host"
+    argmax = None
+    if device_argmax:
+        from ninfer_mlc.runtime.spec.device_round import DeviceArgmax
+        argmax = DeviceArgmax(h.runner)
+
+    def decode_step(seqs, toks):
+        if argmax is None:
+            return h.decode(seqs, toks)
+        ids = argmax.run(h.decode(seqs, toks, on_device=True))[0].numpy()
+        return np.zeros((len(ids), 1), np.float32) if np.all((ids >= 0) & (ids < vocab)) else np.full((1, 1), np.nan)
 
     for ctx, b in decode_shapes:
         pages = b * -(-(ctx + steps + warm + 1) // h.page_size)
@@ -147,14 +160,14 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
             h.reserve(s, ctx + steps + warm + 1)
             h.kv.advance(s, ctx - 1)
         for _ in range(warm):
-            h.decode(seqs, rng.integers(0, vocab, b).tolist())
+            decode_step(seqs, rng.integers(0, vocab, b).tolist())
         ts = time.perf_counter()
         for _ in range(steps):
-            logits = h.decode(seqs, rng.integers(0, vocab, b).tolist())
+            logits = decode_step(seqs, rng.integers(0, vocab, b).tolist())
         dt = (time.perf_counter() - ts) / steps
         if profile:
             res.setdefault("profile", []).append(_profile(
-                lambda: h.decode(seqs, rng.integers(0, vocab, b).tolist()), f"decode ctx={ctx} b={b}"))
+                lambda: decode_step(seqs, rng.integers(0, vocab, b).tolist()), f"decode ctx={ctx} b={b}"))
         for s in seqs:
             h.free_seq(s)
         byts, floor = decode_floor_s(facts, b, ctx, bw)
@@ -235,11 +248,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve-gib", type=float, default=8.0, help="device memory left beside weights and KV")
     ap.add_argument("--budget-s", type=float, default=1e9)
     ap.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of each shape (needs torch)")
+    ap.add_argument("--device-argmax", action="store_true",
+                    help="decode steps end in the device sampler (greedy); only token ids come to the host")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args(argv)
     res = run_harness(a.model, parse_shapes(a.decode), [int(x) for x in a.prefill.split(",") if x.strip()],
                       a.steps, prefill_chunk=a.prefill_chunk, rates=not a.no_rates, reserve_gib=a.reserve_gib,
-                      budget_s=a.budget_s, profile=a.profile)
+                      budget_s=a.budget_s, profile=a.profile, device_argmax=a.device_argmax)
     write_json(a.output, res)
     print(json.dumps(res))
     return 0

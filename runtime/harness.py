@@ -67,6 +67,7 @@ class Harness:
     def verify(self, batch, taps: bool = False):
         return self._run(batch, lambda b: self.runner.verify(b, taps=taps))
 
-    def decode(self, seqs: list[SeqKV], tokens: list[int]) -> np.ndarray:
+    def decode(self, seqs: list[SeqKV], tokens: list[int], on_device: bool = False):
+        """Logits [B, V] on the host (on_device: the library's device tensor, nothing copied)."""
         return self._run([(s, [t]) for s, t in zip(seqs, tokens)],
-                         lambda b: self.runner.decode([s for s, _ in b], [t[0] for _, t in b]))
+                         lambda b: self.runner.decode([s for s, _ in b], [t[0] for _, t in b], on_device=on_device))

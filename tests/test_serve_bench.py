@@ -149,6 +149,14 @@ def test_harness_figures_beside_cells():
     assert h["prefill_server_vs_harness"] == pytest.approx(50.0 / p["tok_s"], rel=1e-3, abs=6e-5)
 
 
+def test_harness_device_argmax_steps():
+    """--device-argmax: decode steps end in the library's sampler and only token ids reach the host."""
+    res = serve_harness.run_harness(str(default_model_dir()), [(96, 2)], [], steps=2, warm=1, rates=False,
+                                    device_argmax=True)
+    (d,) = res["decode"]
+    assert res["decode_output"] == "token ids (device argmax)" and d["step_ms"] > 0 and d["logits_finite"]
+
+
 def test_agent_server_flags_size_device_kv_below_total():
     a = agent_replay.build_parser().parse_args(["--sessions", "3", "--target-tokens", "1000", "--turn-tokens",
                                                 "100,200", "--max-tokens", "50"])

@@ -573,6 +573,16 @@ __device__ __forceinline__ void ninfer_nvfp4_dq32(unsigned* d, unsigned w0, unsi
 }
 """
 _NVFP4_DQ_SRC = _BF16X2_MUL_SRC + _NVFP4_DQ_BODY
+# Benchmark probes (bench/gemv_gpu_check.py only; WRONG results, timing what a cheaper dequantization could buy):
+# "noscale" skips the block-scale multiply, "nodq" feeds the code words to the mma unconverted.
+_PROBE_DQ = {
+    "noscale": ("ninfer_nvfp4_dq32_noscale", _NVFP4_DQ_BODY.replace("ninfer_nvfp4_dq32(", "ninfer_nvfp4_dq32_noscale(")
+                .replace("ninfer_bf16x2_mul(((", "(((").replace("0x81C081C0u, s);", "0x81C081C0u) ^ s;")),
+    "nodq": ("ninfer_nvfp4_dq32_nodq",
+             "__device__ __forceinline__ void ninfer_nvfp4_dq32_nodq(unsigned* d, unsigned w0, unsigned w1, unsigned w2, "
+             "unsigned w3, unsigned sc) {\n  const unsigned w[4] = {w0, w1, w2, w3};\n#pragma unroll\n"
+             "  for (int i = 0; i < 16; ++i) d[i] = w[i % 4] ^ sc;\n}\n"),
+}
 # the tensor-core path's bf16 weights are e2m1 * e4m3 * 2^-NVFP4_SHIFT; the epilogue multiplies the fp32 sums
 # by weight_scale_2 * 2^NVFP4_SHIFT
 NVFP4_SHIFT = 7
@@ -657,7 +667,7 @@ def _nvfp4_mma_path(K: int, dtype: str) -> bool:
 
 def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min_warps, max_warps, target_warps,
                     big_tiles, sms, row_tiles=1, prefetch=False, big_row_tiles=1, big_prefetch=False, stages=0,
-                    x_late=False):
+                    x_late=False, probe=""):
     """The tensor-core path for NVFP4 weights (bf16 activations, K % 32 == 0); see gemv_nvfp4."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
@@ -670,6 +680,9 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
     gmul = float(2 ** NVFP4_SHIFT)
 
     row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
+    # (a probe's source carries its own copy of the bf16x2 multiply: sources are emitted per function name)
+    dq_name, dq_src = (_PROBE_DQ[probe][0], (_BF16X2_MUL_SRC + _PROBE_DQ[probe][1]).replace(
+        "ninfer_bf16x2_mul", f"ninfer_bf16x2_mul_{probe}")) if probe else (NVFP4_DQ_FUNC, _NVFP4_DQ_SRC)
 
     def make_body(NBT: int, U: int, RT: int, PF: bool, S: int = 0, XL: bool = False):
         NB = 8 * NBT
@@ -810,12 +823,12 @@ def _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, *, unroll, big_unroll, min
                                 "uint32", "__byte_perm", xr[xr_i(xb, bt, u) + m * 4 + ih],
                                 xr[xr_i(xb, bt, u) + m * 4 + 2 + ih], T.uint32(0x7632))
                 for t in T.unroll(RT):
-                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(al[0]), cw[cw_i(b, t, 0, u)],
+                    T.cuda.func_call(dq_name, T.address_of(al[0]), cw[cw_i(b, t, 0, u)],
                                      cw[cw_i(b, t, 0, u) + 1], cw[cw_i(b, t, 0, u) + 2], cw[cw_i(b, t, 0, u) + 3],
-                                     sc[sc_i(b, t, 0, u)], source_code=_NVFP4_DQ_SRC)
-                    T.cuda.func_call(NVFP4_DQ_FUNC, T.address_of(ah[0]), cw[cw_i(b, t, 1, u)],
+                                     sc[sc_i(b, t, 0, u)], source_code=dq_src)
+                    T.cuda.func_call(dq_name, T.address_of(ah[0]), cw[cw_i(b, t, 1, u)],
                                      cw[cw_i(b, t, 1, u) + 1], cw[cw_i(b, t, 1, u) + 2], cw[cw_i(b, t, 1, u) + 3],
-                                     sc[sc_i(b, t, 1, u)], source_code=_NVFP4_DQ_SRC)
+                                     sc[sc_i(b, t, 1, u)], source_code=dq_src)
                     for bt in T.unroll(NBT):
                         for j in T.unroll(8):
                             T.cuda.func_call(
@@ -907,7 +920,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
                epilogue: str = "none", *, unroll: int = 2, big_unroll: int = 1, min_warps: int = 1,
                max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4, fma_warps: int = 4, sms: int = 132,
                row_tiles: int = 1, prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-               stages: int = 0, x_late: bool = False):
+               stages: int = 0, x_late: bool = False, probe: str = ""):
     """y = x[n, in] @ dequant(W)^T + epilogue for NVFP4 weights, or None where it does not apply.
 
     prim_func(x[n, in] dtype, w[out, in/2] u8, w_scale[out, in/16] u8, w_scale_2[out] f32, [res], out), the
@@ -922,7 +935,7 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
         f = _nvfp4_mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, big_unroll=big_unroll,
                             min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, big_tiles=big_tiles,
                             sms=sms, row_tiles=row_tiles, prefetch=prefetch, big_row_tiles=big_row_tiles,
-                            big_prefetch=big_prefetch, stages=stages, x_late=x_late)
+                            big_prefetch=big_prefetch, stages=stages, x_late=x_late, probe=probe)
     else:
         f = _nvfp4_fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
@@ -986,7 +999,7 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
                         big_unroll: int = 1, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048,
                         big_tiles: int = 4, fma_warps: int = 4, sms: int = 132, row_tiles: int = 1,
                         prefetch: bool = False, big_row_tiles: int = 1, big_prefetch: bool = False,
-                        stages: int = 0, x_late: bool = False) -> str:
+                        stages: int = 0, x_late: bool = False, probe: str = "") -> str:
     """Human-readable launch configuration of gemv_nvfp4() for a shape."""
     K, O = int(in_features), int(out_features)
     if not _nvfp4_mma_path(K, dtype):
