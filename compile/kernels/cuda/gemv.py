@@ -62,6 +62,7 @@ with element 2i in the low nibble, E4M3 block scales u8 [O, K/16], fp32 row scal
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 from tvm.script import tirx as T
 
@@ -1004,7 +1005,7 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
     K, O = int(in_features), int(out_features)
     if not _nvfp4_mma_path(K, dtype):
         return "nvfp4 " + launch_config(K, O, "float32", epilogue, fma_warps=fma_warps)
-    kw = dict(min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, sms=sms)
+    kw: dict[str, Any] = dict(min_warps=min_warps, max_warps=max_warps, target_warps=target_warps, sms=sms)
     blocks, nw, mb = nvfp4_grid(K, O, epilogue, unroll=unroll, row_tiles=row_tiles, prefetch=prefetch, x_late=x_late,
                                 **kw)
     _, nwb, _ = nvfp4_grid(K, O, epilogue, unroll=big_unroll, row_tiles=big_row_tiles, prefetch=big_prefetch, **kw)

@@ -7,7 +7,7 @@ reference. Numpy only at module level.
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -30,7 +30,7 @@ EMU_CASES = [
     (64, 96, "silu_mul", "float32", "float32", {}),
     (70, 10, "none", "float32", "float32", {}),
 ]
-EMU_NVFP4_CASES = [
+EMU_NVFP4_CASES: list[tuple[int, int, str, str, str, dict[str, Any]]] = [
     # (K, O, epilogue, dtype, out dtype, params) of gemv_nvfp4: tensor-core path (bf16, K % 32 == 0) and FMA path
     (256, 48, "none", "bfloat16", "bfloat16", {}),
     (512, 40, "residual", "bfloat16", "bfloat16", {"unroll": 1}),  # O % 16 != 0, 4 warps split K
