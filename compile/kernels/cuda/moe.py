@@ -134,9 +134,10 @@ def _c(v: float) -> str:
 def topk_source(name: str, E: int, K: int, norm: bool) -> str:
     EPL = (E + 31) // 32
     return _src(name, f"""
-// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate
+// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate;
+// sids (or nullptr): a copy of the ids row in the block's shared memory (the fused route's grouping reads it there)
 __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, int* __restrict__ ids,
-                                             float* __restrict__ w, const int t, const int lane) {{
+                                             float* __restrict__ w, const int t, const int lane, int* sids) {{
   const float* l = logits + (long long)t * {E + 1};
   float p[{EPL}];
   float m = -INFINITY;
@@ -174,12 +175,17 @@ __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, i
 #pragma unroll
     for (int i = 0; i < {EPL}; ++i)
       if (lane + 32 * i == bi) p[i] = -1.f;  // taken
-    if (lane == 0) {{ ids[t * {K + 1} + j] = bi; w[t * {K + 1} + j] = bv; }}
+    if (lane == 0) {{
+      ids[t * {K + 1} + j] = bi;
+      w[t * {K + 1} + j] = bv;
+      if (sids) sids[t * {K + 1} + j] = bi;
+    }}
     sel += bv;
   }}
   if (lane == 0) {{
     {f"for (int j = 0; j < {K}; ++j) w[t * {K + 1} + j] = __fdiv_rn(w[t * {K + 1} + j], sel);" if norm else ""}
     ids[t * {K + 1} + {K}] = {E};
+    if (sids) sids[t * {K + 1} + {K}] = {E};
     w[t * {K + 1} + {K}] = __fdiv_rn(1.f, 1.f + expf(-l[{E}]));
   }}
 }}
@@ -187,7 +193,7 @@ __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, i
 __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids,
                                        float* __restrict__ w, int n) {{
   const int t = blockIdx.x * {TOPK_WARPS} + (threadIdx.x >> 5);
-  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31);  // the whole warp
+  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31, nullptr);  // the whole warp
 }}""")
 
 
@@ -219,36 +225,36 @@ __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restr
                                        int n) {{
   __shared__ int cnt[{Ex}];
   __shared__ int cur[{Ex}];
-  __shared__ int sa[{NT}];
-  __shared__ int sb[{NT}];
-  __shared__ int sc[{NT}];
-  const int tid = threadIdx.x, np = n * {P};
+  __shared__ int sa[{NT // 32}];
+  __shared__ int sb[{NT // 32}];
+  __shared__ int sc[{NT // 32}];
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, np = n * {P};
   for (int e = tid; e < {Ex}; e += {NT}) cnt[e] = 0;
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) ninfer_moe_atomic_add(&cnt[ids[q / {P} * {K + 1} + q % {P}]], 1);
   __syncthreads();
   const int v = tid < {Ex} ? cnt[tid] : 0, vt = (v + {TILE_ROWS - 1}) / {TILE_ROWS};
-  sa[tid] = v;
-  sb[tid] = v > 0;
-  sc[tid] = vt;
-  __syncthreads();
-  for (int d = 1; d < {NT}; d <<= 1) {{  // inclusive scans of the counts, the used flags and the row tiles
-    const int ta = tid >= d ? sa[tid - d] : 0, tb = tid >= d ? sb[tid - d] : 0, tc = tid >= d ? sc[tid - d] : 0;
-    __syncthreads();
-    sa[tid] += ta;
-    sb[tid] += tb;
-    sc[tid] += tc;
-    __syncthreads();
+  // inclusive scans of the counts, the used flags and the row tiles: within each warp by shuffles, then the totals
+  // of the warps before it (one barrier instead of two per doubling step)
+  int a = v, b = v > 0, c = vt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {{
+    const int ta = __shfl_sync(0xffffffffu, a, lane - d), tb = __shfl_sync(0xffffffffu, b, lane - d),
+              tc = __shfl_sync(0xffffffffu, c, lane - d);
+    if (lane >= d) {{ a += ta; b += tb; c += tc; }}
   }}
+  if (lane == 31) {{ sa[wid] = a; sb[wid] = b; sc[wid] = c; }}
+  __syncthreads();
+  for (int i = 0; i < wid; ++i) {{ a += sa[i]; b += sb[i]; c += sc[i]; }}
   if (tid < {Ex}) {{
-    route[tid] = sa[tid] - v;
-    cur[tid] = sa[tid] - v;
+    route[tid] = a - v;
+    cur[tid] = a - v;
     if (v > 0) {{
-      route[{Ex + 2} + sb[tid] - 1] = tid;
-      route[{2 * Ex + 2} + sb[tid] - 1] = sc[tid] - vt;
+      route[{Ex + 2} + b - 1] = tid;
+      route[{2 * Ex + 2} + b - 1] = c - vt;
     }}
   }}
-  if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; route[{2 * Ex + 2} + sb[tid]] = sc[tid]; }}
+  if (tid == {Ex - 1}) {{ route[{Ex}] = a; route[{Ex + 1}] = b; route[{2 * Ex + 2} + b] = c; }}
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;{zero}
 }}""")
@@ -275,9 +281,10 @@ def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int, 
     src = tsrc + asrc + _src(name, f"""
 __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ w,
                                        int* __restrict__ order, int* __restrict__ route, int n) {{
-  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31);
-  __syncthreads();  // the block's global writes of ids are visible to it past the barrier
-  {aname}(ids, order, route, n);
+  __shared__ int sids[{ROUTE_FUSED_MAX * (K + 1)}];
+  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31, sids);
+  __syncthreads();
+  {aname}(sids, order, route, n);  // the ids from shared memory (no round trip through L2)
 }}""")
 
     # one input: relax's reshape-pattern check (RewriteDataflowReshape) needs a root block
