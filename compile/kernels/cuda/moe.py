@@ -649,6 +649,8 @@ def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: b
     name = f"ninfer_moe_{tag}"
     if path == "nvfp4":  # unroll counts 128-element K steps there
         unroll = max(1, unroll // 2)
+    if path != "fma":  # no warp without a K chunk (NVFP4 down, K = 512: 2 chunks): the same sums, fewer threads
+        warps = max(1, min(warps, -(-K // ((128 if path == "nvfp4" else 32) * unroll))))
     TILES = gemm_tiles(O, silu, path)
     NT = gemm_threads(path, warps)
     decode = path != "fma" and big_tiles > 1
