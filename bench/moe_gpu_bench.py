@@ -33,7 +33,8 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
       experts) + causal attention + one lm_head row, over the measured bf16 matmul rate.
 
 GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_kernels / moe_bench on MOE_DIR, default .gpu/moe;
-MOE_BENCH_ARGS adds bench options).
+MOE_BENCH_ARGS adds bench options; MOE_BEFORE=dir also runs the bench on an earlier prep's libraries, before / after
+in one call, with --profile per kernel).
 """
 from __future__ import annotations
 
