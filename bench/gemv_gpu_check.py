@@ -97,6 +97,10 @@ VARIANTS = {
     "w2": {"min_warps": 2},  # short K (35B: 16 iterations of one warp per 16-row tile): two warps split it
     "w2-u8": {"min_warps": 2, "unroll": 8},
     "w16": {"max_warps": 16},  # grids of fewer than 256 tiles (35B out_proj / router / ba): 16 warps split K
+    # the warp-iteration loop rolled (#pragma unroll 1; the default from K <= gemv.ROLLED_MAX_K) or left to nvcc
+    "unrolled": {"rolled": False},
+    "rolled": {"rolled": True},
+    "w2-rolled": {"min_warps": 2, "rolled": True},
 }
 # (name, K, O, epilogue) of the 27B decode projections with NVFP4 weights (bf16 activations)
 CASES_NVFP4 = [
