@@ -27,6 +27,8 @@ small NVFP4 shapes (tensor-core and FMA paths, remainders, subnormal / zero bloc
 Commands:
   .venv/bin/python bench/gemv_gpu_check.py emulate                  # CPU check of the generated CUDA (~1.5 min)
   .venv/bin/python bench/gemv_gpu_check.py prep .gpu/gemv           # ~1 min, gemv.so ~3 MB (bf16 + NVFP4)
+  35B-A3B shapes (hidden 2048), every variant, n = 1, 4, 8 (GEMV_DIR selects the prep dir in gpu_driver.sh):
+  .venv/bin/python bench/gemv_gpu_check.py prep .gpu/moe8/gemv --shapes 35b
   GPU machine (runtime-only TVM bundle and PYTHONPATH/LD_LIBRARY_PATH as in bench/README.md step 3):
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv.json       # everything: ~6-9 min on an H100/H200
   python3 bench/gemv_gpu_check.py run .gpu/gemv $OUT/gemv_nvfp4.json --weight nvfp4   # NVFP4 + bf16 baseline
@@ -60,6 +62,21 @@ CASES_27B = [
     ("o_proj_res", 6144, 5120, "residual", "bfloat16", "bfloat16"),
     ("lm_head_f32", 5120, 248320, "none", "bfloat16", "float32"),
 ]
+# the Qwen3.5/3.6-35B-A3B decode projections outside the experts (hidden 2048: short K; prep --shapes 35b)
+CASES_35B = [
+    ("lm_head_f32", 2048, 248320, "none", "bfloat16", "float32"),
+    ("gdn_in_proj", 2048, 12288, "none", "bfloat16", "bfloat16"),
+    ("attn_qkv", 2048, 9216, "none", "bfloat16", "bfloat16"),
+    ("out_proj_res", 4096, 2048, "residual", "bfloat16", "bfloat16"),
+    ("router_f32", 2048, 257, "none", "bfloat16", "float32"),
+    ("gdn_ba", 2048, 64, "none", "bfloat16", "bfloat16"),
+]
+CASES_35B_NVFP4 = [
+    ("gdn_in_proj", 2048, 12288, "none"),
+    ("attn_qkv", 2048, 9216, "none"),
+    ("out_proj_res", 4096, 2048, "residual"),
+]
+NS_35B = (1, 4, 8)
 # odd shapes: remainders in K and O, FMA path, f16, f32 (default parameters only)
 CASES_ODD = [
     ("k72_o40_f32out", 72, 40, "none", "bfloat16", "float32"),
@@ -78,6 +95,13 @@ VARIANTS = {
     "t1024": {"target_warps": 1024},
     "t4096": {"target_warps": 4096},
     "w4-8": {"min_warps": 4, "max_warps": 8},
+    "w2": {"min_warps": 2},  # short K (35B: 16 iterations of one warp per 16-row tile): two warps split it
+    "w2-u8": {"min_warps": 2, "unroll": 8},
+    "w16": {"max_warps": 16},  # grids of fewer than 256 tiles (35B out_proj / router / ba): 16 warps split K
+    # the warp-iteration loop rolled (#pragma unroll 1; the default from K <= gemv.ROLLED_MAX_K) or left to nvcc
+    "unrolled": {"rolled": False},
+    "rolled": {"rolled": True},
+    "w2-rolled": {"min_warps": 2, "rolled": True},
 }
 # (name, K, O, epilogue) of the 27B decode projections with NVFP4 weights (bf16 activations)
 CASES_NVFP4 = [
@@ -123,6 +147,7 @@ NVFP4_VARIANTS = {
     "pf-xl-nodq": {"prefetch": True, "x_late": True, "probe": "nodq"},
     "b-rt2": {"big_row_tiles": 2},
     "b-pf": {"big_prefetch": True},
+    "w16": {"max_warps": 16},
 }
 NS_NVFP4 = (1, 4, 8, 13)
 NS = (1, 2, 3, 4, 8, 13)
@@ -143,14 +168,18 @@ def nvfp4_bytes(K: int, O: int) -> int:
     return O * K // 2 + O * K // 16 + 4 * O
 
 
-def _cases() -> list[dict]:
+def _cases(shapes: str = "27b") -> list[dict]:
+    """27b: the 27B shapes with every variant, the odd shapes, the 27B NVFP4 shapes; 35b: the 35B-A3B shapes (bf16 and
+    NVFP4) with every variant at NS_35B."""
     from ninfer_mlc.compile.kernels.cuda import gemv as G
 
+    dense, ns, odd, nvfp4 = ((CASES_27B, NS, CASES_ODD, CASES_NVFP4) if shapes == "27b" else
+                             (CASES_35B, NS_35B, [], CASES_35B_NVFP4))
     out = []
     for variant in VARIANTS:
-        for name, k, o, ep, dt, odt in CASES_27B:
-            out.append(dict(name=name, K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, variant=variant, ns=NS))
-    for name, k, o, ep, dt, odt in CASES_ODD:
+        for name, k, o, ep, dt, odt in dense:
+            out.append(dict(name=name, K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, variant=variant, ns=ns))
+    for name, k, o, ep, dt, odt in odd:
         out.append(dict(name=name, K=k, O=o, epilogue=ep, dtype=dt, out_dtype=odt, variant="default", ns=NS_ODD))
     for c in out:
         p = _params(c["variant"])
@@ -158,11 +187,12 @@ def _cases() -> list[dict]:
             "-", "_")
         c["launch"] = G.launch_config(c["K"], c["O"], c["dtype"], c["epilogue"], **p)
         c["weight_bytes"] = c["K"] * c["O"] * np.dtype(np.float32 if c["dtype"] == "float32" else np.float16).itemsize
-    for name, k, o, ep in CASES_NVFP4:  # shape-major: run() keeps one shape's reference weight at a time
+    for name, k, o, ep in nvfp4:  # shape-major: run() keeps one shape's reference weight at a time
         for variant in NVFP4_VARIANTS:
             p = _params_nvfp4(variant)
             out.append(dict(name=name + "_nvfp4", K=k, O=o, epilogue=ep, dtype="bfloat16", out_dtype="bfloat16",
-                            variant=variant, ns=tuple(n for n in NS_NVFP4 if n > 8 or not variant.startswith("b-")),
+                            variant=variant, ns=tuple(n for n in (NS_NVFP4 if shapes == "27b" else NS_35B)
+                                                      if n > 8 or not variant.startswith("b-")),
                             weight="nvfp4", weight_bytes=nvfp4_bytes(k, o),
                             symbol=G.symbol(k, o, "bfloat16", "bfloat16", ep, "nvfp4") + "_"
                             + variant.replace("-", "_"),
@@ -187,7 +217,8 @@ def cmd_prep(a) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = [c for c in _cases() if _selected(c, _cases(), a)]
+    every = _cases(a.shapes)
+    cases = [c for c in every if _selected(c, every, a) and (c.get("weight") != "nvfp4" or not a.skip_nvfp4)]
     tgt = parse_target("cuda:" + a.arch).tvm_target()
     t = time.time()
     with cuda_build_env(tgt):
@@ -454,6 +485,8 @@ def cmd_build27b(a) -> int:
 
 def main(argv=None) -> int:
     ap, sub, p, r = gc.prep_run_parser(__doc__)
+    p.add_argument("--shapes", choices=("27b", "35b"), default="27b", help="35b: the 35B-A3B projections (short K)")
+    p.add_argument("--skip-nvfp4", action="store_true", help="no NVFP4 cases")
     for q in (p, r):  # prep builds (and run runs) only the selected cases
         q.add_argument("--weight", choices=("all", "bf16", "nvfp4"), default="all",
                        help="nvfp4: the NVFP4 cases and the bf16 default-variant cases of the same shapes")

@@ -29,7 +29,7 @@ for step in "$@"; do
     gemm) [ -d .gpu/gemm ] && run gemm 120 python3 ${BENCH:-bench}/gemm_gpu_check.py run .gpu/gemm $OUT/gemm.json ;;
     nvfp4) [ -d ${NVFP4_PREP:-.gpu/dq} ] && run nvfp4 200 python3 bench/nvfp4_prefill_check.py run ${NVFP4_PREP:-.gpu/dq} $OUT/nvfp4.json ;;
     attn) [ -d .gpu/attn ] && run attn ${ATTN_TIMEOUT:-150} python3 bench/attn_gpu_check.py run .gpu/attn $OUT/attn.json ${ATTN_ARGS:-} ;;
-    gemv) [ -d ${GEMV_DIR:-.gpu/gemv} ] && run gemv ${GEMV_TIMEOUT:-150} python3 bench/gemv_gpu_check.py run ${GEMV_DIR:-.gpu/gemv} $OUT/gemv.json ${GEMV_ARGS:-} ;;
+    gemv) G=${GEMV_DIR:-.gpu/gemv}; [ -d $G ] && run gemv ${GEMV_TIMEOUT:-150} python3 ${BENCH:-bench}/gemv_gpu_check.py run $G $OUT/gemv.json ${GEMV_ARGS:-} ;;
     gdn) [ -d .gpu/gdn ] && run gdn 150 python3 bench/gdn_gpu_check.py run .gpu/gdn $OUT/gdn.json ;;
     sampler) [ -d .gpu/sampler ] && run sampler 200 python3 bench/sampler_gpu_check.py run .gpu/sampler $OUT/sampler.json ;;
     check) run check 200 python3 ${BENCH:-bench}/gpu_bench.py check ${PREP:-.gpu/prep} $OUT/check.json ;;
@@ -47,11 +47,13 @@ for step in "$@"; do
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/agent_server.log -o $OUT/agent.json ${AGENT_ARGS:-} ;;
     vision) [ -d .gpu/vision ] && run vision 540 python3 bench/vision_gpu_bench.py run .gpu/vision $OUT/vision.json ${VISION_ARGS:-} ;;
-    moe) M=${MOE_DIR:-.gpu/moe}; [ -d $M ] && { run moe_check 240 python3 bench/moe_gpu_bench.py check $M $OUT/moe_check.json
-         run moe_kernels 240 python3 bench/moe_gpu_bench.py kernels $M $OUT/moe_kernels.json
-         run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench $M $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}; } ;;
+    moe) M=${MOE_DIR:-.gpu/moe}; [ -d $M ] && { run moe_check 240 python3 ${BENCH:-bench}/moe_gpu_bench.py check $M $OUT/moe_check.json
+         run moe_kernels 240 python3 ${BENCH:-bench}/moe_gpu_bench.py kernels $M $OUT/moe_kernels.json
+         run moe_bench ${MOE_TIMEOUT:-540} python3 ${BENCH:-bench}/moe_gpu_bench.py bench $M $OUT/moe_bench.json ${MOE_BENCH_ARGS:-}
+         # MOE_BEFORE=dir: the same bench on an earlier prep's libraries (before / after in one call)
+         [ -n "${MOE_BEFORE:-}" ] && run moe_bench_before ${MOE_TIMEOUT:-540} python3 ${BENCH:-bench}/moe_gpu_bench.py bench $MOE_BEFORE $OUT/moe_bench_before.json ${MOE_BENCH_ARGS:-}; } ;;
     script) run ${SCRIPT_NAME:-script} ${SCRIPT_TIMEOUT:-300} python3 $SCRIPT ;;  # SCRIPT="path/to/x.py args" (with SNAP=dir: a branch's package)
-    moebench) [ -d ${MOE_DIR:-.gpu/moe} ] && run moe_bench ${MOE_TIMEOUT:-540} python3 bench/moe_gpu_bench.py bench ${MOE_DIR:-.gpu/moe} $OUT/moe_bench.json ${MOE_BENCH_ARGS:-} ;;
+    moebench) [ -d ${MOE_DIR:-.gpu/moe} ] && run moe_bench ${MOE_TIMEOUT:-540} python3 ${BENCH:-bench}/moe_gpu_bench.py bench ${MOE_DIR:-.gpu/moe} $OUT/moe_bench.json ${MOE_BENCH_ARGS:-} ;;
     hf) (unset PYTHONPATH TVM_USE_RUNTIME_LIB; run hf 400 python3 bench/hf_gpu_baseline.py $OUT/hf.json ${HF_ARGS:---ctx 8192 --batches 8 --steps 4 --prefill 0}) ;;
     sass)
       { for f in .gpu/sass/*.fatbin; do

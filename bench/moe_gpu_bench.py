@@ -33,7 +33,8 @@ with only the TVM runtime (TVM_USE_RUNTIME_LIB=1), numpy, ml_dtypes and torch.
       experts) + causal attention + one lm_head row, over the measured bf16 matmul rate.
 
 GPU driver: bash bench/gpu_driver.sh moe (steps moe_check / moe_kernels / moe_bench on MOE_DIR, default .gpu/moe;
-MOE_BENCH_ARGS adds bench options).
+MOE_BENCH_ARGS adds bench options; MOE_BEFORE=dir also runs the bench on an earlier prep's libraries, before / after
+in one call, with --profile per kernel).
 """
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ CHECK_TOKENS = (1, 4, 8, 40, 100)
 CHECK_WGMMA = (256, 4, 8)  # (bn, stages, pairs per expert slot): the wgmma launch from n*P >= 264 pairs
 FORMATS = {"bf16": None, "nvfp4": "nvfp4"}
 # launch-parameter variants of the grouped expert GEMMs timed by `kernels` (over the registry's defaults)
-VARIANTS = {"default": {}, "w8": {"warps": 8}, "w2": {"warps": 2}, "u8": {"unroll": 8}, "u2": {"unroll": 2},
-            "bt2": {"big_tiles": 2}, "bt1": {"big_tiles": 1}, "w2bt1": {"warps": 2, "big_tiles": 1}}
-# (bt1: passes of 8 pairs only, fewer registers: more resident blocks per SM for decode-size calls)
+VARIANTS = {"default": {}, "w2": {"warps": 2}, "u8": {"unroll": 8}, "u2": {"unroll": 2},
+            "bt1": {"big_tiles": 1}}
+# (bt1: no separate decode kernel, so no decode launch bounds: the passes as before moe.decode_launch, for comparison)
 VARIANT_TOKENS = (1, 4, 8, 48, 512, 8192)
 
 

@@ -257,10 +257,10 @@ def test_moe_35b_kernels_compile(tmp_path, arch):
                            capture_output=True, text=True, check=True)
         spills = re.findall(r"Function properties for (\w+)\n\s+\d+ bytes stack frame, (\d+) bytes spill stores",
                             r.stderr)
-        # ptxas keeps the bf16 fused down + combine's decode kernel at 64 registers with one 4-byte spill (in a
-        # memory-bound kernel); everything else: none
-        assert len(spills) >= 10 and all(s == "0" or fn.startswith("dc_") and int(s) <= 8 for fn, s in spills), \
-            r.stderr
+        # the bf16 down decode kernels (alone and with the fused combine) hold 56 registers for 9 resident blocks per
+        # SM (moe.decode_launch) with a spill of <= 8 bytes (in a memory-bound kernel); everything else: none
+        assert len(spills) >= 10 and all(s == "0" or fn.startswith(("dc_", "dn_")) and int(s) <= 8
+                                         for fn, s in spills), r.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -294,10 +294,13 @@ def test_moe_wgmma_prefill_compiles_without_spills(tmp_path):
                         str(tmp_path / "m.cu"), "-o", str(tmp_path / "m.cubin")], capture_output=True, text=True,
                        check=True)
     assert "C7514" not in r.stderr and "C7510" not in r.stderr, r.stderr
-    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", r.stderr)
-    assert len(frames) == 12 and all(s == "0" for _, s in frames), r.stderr  # wgmma, passes, decode passes
-    wg = re.findall(r"Function properties for (\w+_kernel(?:_\d)?)\n\s+(\d+) bytes stack frame", r.stderr)
-    assert wg and all(fr == "0" for _, fr in wg), r.stderr
+    # wgmma, passes, decode passes: no stack, no spills, but for the bf16 down decode passes' <= 8 bytes (56
+    # registers for 9 resident blocks per SM: moe.decode_launch)
+    wg = re.findall(r"Function properties for (\w+_kernel(?:_\d)?)\n\s+(\d+) bytes stack frame, (\d+) bytes spill",
+                    r.stderr)
+    assert len(wg) == 12 and all(fr == sp == "0" or fn.startswith("dn_None") and int(sp) <= 8
+                                 for fn, fr, sp in wg), r.stderr
+    assert sum(fr != "0" for _, fr, _ in wg) <= 1, r.stderr
 
 
 @emu

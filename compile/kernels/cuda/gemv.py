@@ -330,8 +330,12 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 
 
 # ---------------------------------------------------------------------------------------------
-def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms):
-    """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch)."""
+def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms,
+             rolled=False):
+    """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch).
+    rolled: the warp-iteration loop under `#pragma unroll 1` (nvcc otherwise unrolls short loops, e.g. K = 2048's 16
+    iterations, and ptxas then interleaves later iterations' loads with earlier mma.sync instead of issuing each
+    iteration's loads at once as in the rolled loop of long K; a bench variant, bench/gemv_gpu_check.py)."""
     silu = epilogue == "silu_mul"
     U = unroll
     OO = O // 2 if silu else O
@@ -341,6 +345,7 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
     ITS = (K + KC - 1) // KC
     NW = mma_warps(K, O, epilogue, unroll=U, min_warps=min_warps, max_warps=max_warps, target_warps=target_warps)
     NIT = (ITS + NW - 1) // NW
+    iter_ann = {"disable_unroll": 1} if rolled else None
     NT = 32 * NW
     min_blocks = resident_blocks(TILES, NT, sms)
     k_pred = K % KC != 0 or ITS % NW != 0
@@ -383,7 +388,7 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
                         for ps in range((n + NB - 1) // NB):
                             for i in T.unroll(NBT * 4):
                                 acc[i] = T.float32(0)
-                            for it in range(NIT):
+                            for it in T.serial(NIT, annotations=iter_ann):
                                 for u in T.unroll(U):
                                     # weight rows g and g+8 of the tile and x row g of each batch tile, 16 bytes at k0
                                     wl[T.ramp(u * 4, 1, 4)] = T.cuda.func_call(
@@ -945,13 +950,14 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
 @lru_cache(maxsize=None)
 def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None, epilogue: str = "none", *,
          unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
-         fma_warps: int = 4, sms: int = 132, weight_format: str | None = None):
+         fma_warps: int = 4, sms: int = 132, weight_format: str | None = None, rolled: bool | None = None):
     """The prim_func for y = x[n, in] @ w[out, in]^T + epilogue, or None where it does not apply
     (the caller keeps its matmul). Output [n, out] (silu_mul: [n, out/2]) in out_dtype (default dtype).
     weight_format "nvfp4": gemv_nvfp4 (NVFP4Linear's buffers) with NVFP4_DEFAULTS for its own unroll /
-    big_tiles and the other parameters as given."""
+    big_tiles and the other parameters as given. rolled: _mma_run's (None: for K <= ROLLED_MAX_K)."""
     K, O = int(in_features), int(out_features)
     out_dtype = out_dtype or dtype
+    rolled = K <= ROLLED_MAX_K if rolled is None else rolled
     if weight_format == "nvfp4":
         return gemv_nvfp4(K, O, dtype, out_dtype, epilogue, min_warps=min_warps, max_warps=max_warps,
                           target_warps=target_warps, fma_warps=fma_warps, sms=sms,
@@ -962,13 +968,18 @@ def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None 
         return None
     if dtype in _MMA_TYPES and K % 8 == 0:
         f = _mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
-                      target_warps=target_warps, big_tiles=big_tiles, sms=sms)
+                      target_warps=target_warps, big_tiles=big_tiles, sms=sms, rolled=rolled)
     else:
         f = _fma_func(K, O, dtype, out_dtype, epilogue, warps=fma_warps)
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue))
 
 
 _SHORT = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+# K up to which the tensor-core GEMV keeps its warp-iteration loop rolled (_mma_run): at hidden 2048 / 4096 (35B-A3B)
+# nvcc unrolled the 4-16 iterations and ptxas interleaved loads with mma.sync and spilled (attn qkv 2048x9216 and
+# lm_head 2048x248320 at 1.5 / 2.35 TB/s on the H200, run 6 profile); the rolled loop issues each iteration's 8
+# weight + 4 x loads at once as the long-K loops do (27B: K >= 5120, 86-96 % of the copy rate; unchanged)
+ROLLED_MAX_K = 4096
 
 
 def symbol(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, weight_format: str | None = None) -> str:
@@ -981,16 +992,17 @@ def symbol(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, weight_for
 
 def launch_config(in_features: int, out_features: int, dtype: str, epilogue: str = "none", *, unroll: int = 4,
                   min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
-                  fma_warps: int = 4, sms: int = 132) -> str:
+                  fma_warps: int = 4, sms: int = 132, rolled: bool | None = None) -> str:
     """Human-readable launch configuration of gemv() for a shape (reports, bench tables)."""
     K, O = int(in_features), int(out_features)
+    rolled = K <= ROLLED_MAX_K if rolled is None else rolled
     if dtype in _MMA_TYPES and K % 8 == 0:
         tiles = (O // 2 + 7) // 8 if epilogue == "silu_mul" else (O + 15) // 16
         nw = mma_warps(K, O, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
                        target_warps=target_warps)
         mb = resident_blocks(tiles, 32 * nw, sms)
-        return (f"mma grid {tiles} x {32 * nw} threads (min {mb} blocks/SM), {32 * unroll} k per warp-iteration, "
-                f"n>8: {8 * big_tiles} rows/pass")
+        return (f"mma grid {tiles} x {32 * nw} threads (min {mb} blocks/SM), {32 * unroll} k per warp-iteration"
+                f"{' (rolled loop)' if rolled else ''}, n>8: {8 * big_tiles} rows/pass")
     oo = O // 2 if epilogue == "silu_mul" else O
     tiles = (oo + 1) // 2 if epilogue == "silu_mul" else (O + 3) // 4
     return f"fma grid {tiles} x {32 * max(1, min(fma_warps, (K + 31) // 32))} threads"

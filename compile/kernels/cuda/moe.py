@@ -32,12 +32,15 @@ batch. Inside, the decode GEMV's tensor-core scheme (compile/kernels/cuda/gemv.p
 mma.sync m16n8k16 and 8 of the expert's pairs as B (x rows gathered through order), warps split K, 16-byte
 loads of weights (past L1) and x in the same permuted K order (no shuffles); groups of more than 8 pairs run
 passes of 8 * big_tiles columns (calls of at most DECODE_TOKENS tokens, whose groups hold at most 8 pairs, launch a
-kernel of the 8-pair passes alone: half the registers, so all its blocks are resident at once). Both pass widths
+kernel of the 8-pair passes alone, with __launch_bounds__ that keep a one-token grid resident at once and let ptxas
+issue a pass's loads before its mma chain: decode_launch; without them it interleaved loads and mma.sync, one
+latency per K step). Both pass widths
 split K the same way (one unroll), so a pair's sums do not
 depend on where in its group the align step's atomics put it: the results are deterministic (CUDA graph replays
 equal eager calls bit for bit). NVFP4 weights (bf16 activations, K % 32 == 0): the same tiles with gemv.py's
 in-register dequantization (32 codes + 2 block scales per lane per step -> bf16 A words, x re-paired by
-byte_perm, row scale * 2^7 in the epilogue). Other dtypes / shapes (f32 models, K % 8 != 0): an FMA path, one
+byte_perm, row scale * 2^7 in the epilogue; all codes and scales of a pass's steps are loaded, branch-free, before
+the dequantization). Other dtypes / shapes (f32 models, K % 8 != 0): an FMA path, one
 thread per (row, column) of a pass.
 
 The device code is CUDA text inside `// NINFER_ATTN_SRC_BEGIN/END` (the inline-asm helpers inside
@@ -131,9 +134,10 @@ def _c(v: float) -> str:
 def topk_source(name: str, E: int, K: int, norm: bool) -> str:
     EPL = (E + 31) // 32
     return _src(name, f"""
-// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate
+// token t by one warp: softmax over {E} router logits, top-{K} (larger p, then lower index), column {K}: shared gate;
+// sids (or nullptr): a copy of the ids row in the block's shared memory (the fused route's grouping reads it there)
 __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, int* __restrict__ ids,
-                                             float* __restrict__ w, const int t, const int lane) {{
+                                             float* __restrict__ w, const int t, const int lane, int* sids) {{
   const float* l = logits + (long long)t * {E + 1};
   float p[{EPL}];
   float m = -INFINITY;
@@ -171,12 +175,17 @@ __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, i
 #pragma unroll
     for (int i = 0; i < {EPL}; ++i)
       if (lane + 32 * i == bi) p[i] = -1.f;  // taken
-    if (lane == 0) {{ ids[t * {K + 1} + j] = bi; w[t * {K + 1} + j] = bv; }}
+    if (lane == 0) {{
+      ids[t * {K + 1} + j] = bi;
+      w[t * {K + 1} + j] = bv;
+      if (sids) sids[t * {K + 1} + j] = bi;
+    }}
     sel += bv;
   }}
   if (lane == 0) {{
     {f"for (int j = 0; j < {K}; ++j) w[t * {K + 1} + j] = __fdiv_rn(w[t * {K + 1} + j], sel);" if norm else ""}
     ids[t * {K + 1} + {K}] = {E};
+    if (sids) sids[t * {K + 1} + {K}] = {E};
     w[t * {K + 1} + {K}] = __fdiv_rn(1.f, 1.f + expf(-l[{E}]));
   }}
 }}
@@ -184,7 +193,7 @@ __device__ __forceinline__ void {name}_token(const float* __restrict__ logits, i
 __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids,
                                        float* __restrict__ w, int n) {{
   const int t = blockIdx.x * {TOPK_WARPS} + (threadIdx.x >> 5);
-  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31);  // the whole warp
+  if (t < n) {name}_token(logits, ids, w, t, threadIdx.x & 31, nullptr);  // the whole warp
 }}""")
 
 
@@ -216,36 +225,36 @@ __device__ __forceinline__ void {name}(const int* __restrict__ ids, int* __restr
                                        int n) {{
   __shared__ int cnt[{Ex}];
   __shared__ int cur[{Ex}];
-  __shared__ int sa[{NT}];
-  __shared__ int sb[{NT}];
-  __shared__ int sc[{NT}];
-  const int tid = threadIdx.x, np = n * {P};
+  __shared__ int sa[{NT // 32}];
+  __shared__ int sb[{NT // 32}];
+  __shared__ int sc[{NT // 32}];
+  const int tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, np = n * {P};
   for (int e = tid; e < {Ex}; e += {NT}) cnt[e] = 0;
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) ninfer_moe_atomic_add(&cnt[ids[q / {P} * {K + 1} + q % {P}]], 1);
   __syncthreads();
   const int v = tid < {Ex} ? cnt[tid] : 0, vt = (v + {TILE_ROWS - 1}) / {TILE_ROWS};
-  sa[tid] = v;
-  sb[tid] = v > 0;
-  sc[tid] = vt;
-  __syncthreads();
-  for (int d = 1; d < {NT}; d <<= 1) {{  // inclusive scans of the counts, the used flags and the row tiles
-    const int ta = tid >= d ? sa[tid - d] : 0, tb = tid >= d ? sb[tid - d] : 0, tc = tid >= d ? sc[tid - d] : 0;
-    __syncthreads();
-    sa[tid] += ta;
-    sb[tid] += tb;
-    sc[tid] += tc;
-    __syncthreads();
+  // inclusive scans of the counts, the used flags and the row tiles: within each warp by shuffles, then the totals
+  // of the warps before it (one barrier instead of two per doubling step)
+  int a = v, b = v > 0, c = vt;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {{
+    const int ta = __shfl_sync(0xffffffffu, a, lane - d), tb = __shfl_sync(0xffffffffu, b, lane - d),
+              tc = __shfl_sync(0xffffffffu, c, lane - d);
+    if (lane >= d) {{ a += ta; b += tb; c += tc; }}
   }}
+  if (lane == 31) {{ sa[wid] = a; sb[wid] = b; sc[wid] = c; }}
+  __syncthreads();
+  for (int i = 0; i < wid; ++i) {{ a += sa[i]; b += sb[i]; c += sc[i]; }}
   if (tid < {Ex}) {{
-    route[tid] = sa[tid] - v;
-    cur[tid] = sa[tid] - v;
+    route[tid] = a - v;
+    cur[tid] = a - v;
     if (v > 0) {{
-      route[{Ex + 2} + sb[tid] - 1] = tid;
-      route[{2 * Ex + 2} + sb[tid] - 1] = sc[tid] - vt;
+      route[{Ex + 2} + b - 1] = tid;
+      route[{2 * Ex + 2} + b - 1] = c - vt;
     }}
   }}
-  if (tid == {Ex - 1}) {{ route[{Ex}] = sa[tid]; route[{Ex + 1}] = sb[tid]; route[{2 * Ex + 2} + sb[tid]] = sc[tid]; }}
+  if (tid == {Ex - 1}) {{ route[{Ex}] = a; route[{Ex + 1}] = b; route[{2 * Ex + 2} + b] = c; }}
   __syncthreads();
   for (int q = tid; q < np; q += {NT}) order[ninfer_moe_atomic_add(&cur[ids[q / {P} * {K + 1} + q % {P}]], 1)] = q;{zero}
 }}""")
@@ -272,9 +281,10 @@ def moe_route(n_experts: int, top_k: int, norm: bool, n_slots: int, pairs: int, 
     src = tsrc + asrc + _src(name, f"""
 __device__ __forceinline__ void {name}(const float* __restrict__ logits, int* __restrict__ ids, float* __restrict__ w,
                                        int* __restrict__ order, int* __restrict__ route, int n) {{
-  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31);
-  __syncthreads();  // the block's global writes of ids are visible to it past the barrier
-  {aname}(ids, order, route, n);
+  __shared__ int sids[{ROUTE_FUSED_MAX * (K + 1)}];
+  for (int t = threadIdx.x >> 5; t < n; t += {NT // 32}) {tname}_token(logits, ids, w, t, threadIdx.x & 31, sids);
+  __syncthreads();
+  {aname}(sids, order, route, n);  // the ids from shared memory (no round trip through L2)
 }}""")
 
     # one input: relax's reshape-pattern check (RewriteDataflowReshape) needs a root block
@@ -372,23 +382,36 @@ def _mma_pass(name: str, K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: 
   const unsigned short* slo = (const unsigned short*)(wsc + ((long long)e * {O} + (lo_ok ? row_lo : 0)) * {K // 16});
   const unsigned short* shi = (const unsigned short*)(wsc + ((long long)e * {O} + (hi_ok ? row_hi : 0)) * {K // 16});
   const float* ge = wg + (long long)e * {O};"""
+        # every code / scale load of the UU steps first (no branches: predicated selects), then dequantization
+        # and the mma chain: the warp's weight bytes of a chunk are in flight at once (SASS: S W ... then the math)
         body = f"""
+    uint4 cl[UU], ch[UU];
+    unsigned sl[UU], sh[UU];
+#pragma unroll
     for (int uu = 0; uu < UU; ++uu) {{
       const int k0 = (it * {U} + sub + uu) * {STEP} + q * 32;  // 32 codes of rows lo / hi and their 2 block scales
       const bool kok = {kok};
-      uint4 cl = make_uint4(0u, 0u, 0u, 0u), ch = make_uint4(0u, 0u, 0u, 0u);
-      unsigned sl = 0u, sh = 0u;
-      if (kok && lo_ok) {{ cl = ninfer_moe_ldw(wlo + k0 / 2); sl = slo[k0 / 32]; }}
-      if (kok && hi_ok) {{ ch = ninfer_moe_ldw(whi + k0 / 2); sh = shi[k0 / 32]; }}
+      cl[uu] = kok && lo_ok ? ninfer_moe_ldw(wlo + k0 / 2) : make_uint4(0u, 0u, 0u, 0u);
+      ch[uu] = kok && hi_ok ? ninfer_moe_ldw(whi + k0 / 2) : make_uint4(0u, 0u, 0u, 0u);
+      // scale words at a clamped (always valid) index, then masked: loads without a branch around them
+      const unsigned vl = slo[kok ? k0 / 32 : 0], vh = shi[kok ? k0 / 32 : 0];
+      sl[uu] = kok && lo_ok ? vl : 0u;
+      sh[uu] = kok && hi_ok ? vh : 0u;
+    }}
+#pragma unroll
+    for (int uu = 0; uu < UU; ++uu) {{
+      const int k0 = (it * {U} + sub + uu) * {STEP} + q * 32;
+      const bool kok = {kok};
       unsigned al[16], ah[16];
-      ninfer_moe_nvfp4_dq32(al, cl.x, cl.y, cl.z, cl.w, sl);
-      ninfer_moe_nvfp4_dq32(ah, ch.x, ch.y, ch.z, ch.w, sh);
+      ninfer_moe_nvfp4_dq32(al, cl[uu].x, cl[uu].y, cl[uu].z, cl[uu].w, sl[uu]);
+      ninfer_moe_nvfp4_dq32(ah, ch[uu].x, ch[uu].y, ch[uu].z, ch[uu].w, sh[uu]);
 #pragma unroll
       for (int bt = 0; bt < NB; ++bt) {{
         unsigned xr[16], xq[16];
 #pragma unroll
-        for (int v4 = 0; v4 < 4; ++v4) {{
-          const uint4 xv = kok && xok[bt] ? *(const uint4*)(xp[bt] + k0 + 8 * v4) : make_uint4(0u, 0u, 0u, 0u);
+        for (int v4 = 0; v4 < 4; ++v4) {{  // xp[bt] is a valid row: a clamped load, then masked (no branch)
+          const uint4 xl = *(const uint4*)(xp[bt] + (kok ? k0 : 0) + 8 * v4);
+          const uint4 xv = kok && xok[bt] ? xl : make_uint4(0u, 0u, 0u, 0u);
           xr[4 * v4] = xv.x; xr[4 * v4 + 1] = xv.y; xr[4 * v4 + 2] = xv.z; xr[4 * v4 + 3] = xv.w;
         }}
 #pragma unroll
@@ -529,8 +552,10 @@ def _fma_body(K: int, O: int, P: int, dtype: str, silu: bool, nvfp4: bool) -> st
 
 
 def gemm_source(name: str, K: int, O: int, Ex: int, P: int, dtype: str, silu: bool, nvfp4: bool, *, warps: int,
-                unroll: int, big_tiles: int) -> str:
-    """CUDA of the grouped expert GEMM `name`(x, order, route, weights, out) (module docstring)."""
+                unroll: int, big_tiles: int, uu8: int | None = None) -> str:
+    """CUDA of the grouped expert GEMM `name`(x, order, route, weights, out) (module docstring). uu8: K steps loaded
+    at a time by the 8-pair passes (default unroll; fewer where the decode kernel's register budget is tight: it
+    changes when loads are issued, not the K split or the order of the sums)."""
     path = gemm_path(K, dtype, nvfp4)
     ct = _CT[dtype]
     wargs = "wq, wsc, wg" if nvfp4 else "w"
@@ -547,7 +572,7 @@ __device__ __forceinline__ void {name}(const {ct}* __restrict__ x, const int* __
   __shared__ float part[{warps * big_tiles * 128}];
   for (int c0 = 0; c0 < cnt; ) {{  // passes of 8 pairs, or {8 * big_tiles} while more than 8 are left
     if (cnt - c0 <= 8) {{
-      {name}_pass<1, {unroll}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
+      {name}_pass<1, {uu8 or unroll}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
       c0 += 8;
     }} else {{
       {name}_pass<{big_tiles}, {max(1, unroll // 2)}>(x, order, {wargs}, out, e, s0, cnt, c0, part);
@@ -595,13 +620,28 @@ def _expert_entry(K: int, O: int, OO: int, Ex: int, P: int, dtype: str, nvfp4: b
     return f
 
 
+DECODE_MIN_REGS = 56  # registers per thread the decode kernel's launch bounds leave ptxas at the least
+
+
+def decode_launch(tiles: int, pairs: int, threads: int, unroll: int, sms: int) -> tuple[int, int]:
+    """(blocks per SM, K steps loaded at a time) of the decode kernel's 8-pair passes. A one-token call launches
+    tiles x pairs blocks (one per selected expert), each one short burst of loads: a block left for a second wave
+    costs a whole extra load latency, so __launch_bounds__ asks for all of them at once (within DECODE_MIN_REGS
+    registers a thread); and ptxas issues a pass's loads before its mma chain only when the register budget holds
+    them (without a minimum it interleaves loads and mma.sync: one latency per K step instead of one per pass, in
+    the SASS). Under ~80 registers the passes load half the steps at a time."""
+    mb = max(1, min(-(-tiles * pairs // max(1, sms)), 2048 // threads, 32, 65536 // (DECODE_MIN_REGS * threads)))
+    budget = 65536 // (mb * threads)
+    return mb, (unroll if budget >= 80 else max(1, unroll // 2))
+
+
 def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: bool, warps: int, unroll: int,
-                big_tiles: int, wgmma: tuple | None) -> SimpleNamespace:
+                big_tiles: int, wgmma: tuple | None, sms: int = 132) -> SimpleNamespace:
     """The grouped GEMM's device functions and launch macros: small (the mma.sync / FMA passes) and big
-    (moe_sm90's wgmma tile, None where it does not apply) from min_pairs pairs. fns: [(name, src)] of the passes,
+    (moe_sm90's wgmma tile, None where it does not apply) from min_pairs pairs. fns: the passes (name, source, MB),
     then, where big_tiles > 1, the decode variant that calls of at most DECODE_TOKENS tokens launch (groups of at
-    most 8 pairs: only the 8-pair passes, compiled alone: about half the registers, so a decode launch's blocks
-    are resident at once; the same K split, so the same numbers)."""
+    most 8 pairs: only the 8-pair passes, compiled alone with decode_launch's launch bounds, so a decode launch's
+    blocks are resident at once; the same K split, so the same numbers). fns: (name, source, min blocks per SM)."""
     silu = kind == "gate_up"
     path = gemm_path(K, dtype, nvfp4)
     tag = "".join(ch if ch.isalnum() else "_" for ch in f"{kind}_{K}x{O}_s{Ex}_p{P}_{dtype}_{path}_{warps}{unroll}"
@@ -609,21 +649,22 @@ def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: b
     name = f"ninfer_moe_{tag}"
     if path == "nvfp4":  # unroll counts 128-element K steps there
         unroll = max(1, unroll // 2)
-    fns = [(n, gemm_source(n, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll, big_tiles=bt))
-           for n, bt in [(name, big_tiles)] + ([(name + "_b1", 1)] if path != "fma" and big_tiles > 1 else [])]
+    if path != "fma":  # no warp without a K chunk (NVFP4 down, K = 512: 2 chunks): the same sums, fewer threads
+        warps = max(1, min(warps, -(-K // ((128 if path == "nvfp4" else 32) * unroll))))
     TILES = gemm_tiles(O, silu, path)
     NT = gemm_threads(path, warps)
+    decode = path != "fma" and big_tiles > 1
+    mb, uu8 = decode_launch(TILES, P, NT, unroll, sms) if decode else (1, unroll)
+    fns = [(name, gemm_source(name, K, O, Ex, P, dtype, silu, nvfp4, warps=warps, unroll=unroll,
+                              big_tiles=big_tiles), 1)]
+    if decode:
+        fns.append((name + "_b1", gemm_source(name + "_b1", K, O, Ex, P, dtype, silu, nvfp4, warps=warps,
+                                              unroll=unroll, big_tiles=1, uu8=uu8), mb))
 
-    def passes(fn: str, src: str):
-        @T.macro
-        def launch(npairs, x, order, route, wptrs, out):
-            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
-                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        T.evaluate(T.cuda.func_call(fn, T.address_of(x[0, 0]), T.address_of(order[0]),
-                                                    T.address_of(route[0]), *wptrs, T.address_of(out[0, 0]),
-                                                    source_code=src))
-        return launch
+    def passes(fn: str, src: str, MB: int):
+        return _expert_grid(Ex, TILES, NT, MB, lambda x, order, route, wptrs, out: T.cuda.func_call(
+            fn, T.address_of(x[0, 0]), T.address_of(order[0]), T.address_of(route[0]), *wptrs,
+            T.address_of(out[0, 0]), source_code=src))
 
     small = _by_tokens(P, *[passes(*f) for f in fns])
     big, min_pairs = None, 0
@@ -638,6 +679,27 @@ def _gemm_parts(kind: str, K: int, O: int, Ex: int, P: int, dtype: str, nvfp4: b
 
 
 DECODE_TOKENS = 8  # calls of at most this many tokens launch the 8-pair passes' own kernel (_gemm_parts)
+
+
+def _expert_grid(Ex: int, TILES: int, NT: int, MB: int, call):
+    """The launch macro (npairs, *args) of the grid (row tiles, min(Ex, npairs)) x NT threads evaluating
+    call(*args), with __launch_bounds__(NT, MB) where MB > 1 (decode_launch)."""
+    if MB > 1:
+        @T.macro
+        def launch(npairs, *args):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
+                            T.evaluate(call(*args))
+    else:
+        @T.macro
+        def launch(npairs, *args):
+            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
+                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
+                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
+                        T.evaluate(call(*args))
+    return launch
 
 
 def _by_tokens(P: int, full, decode=None):
@@ -661,7 +723,7 @@ def _supported(silu: bool, K: int, O: int, dtype: str, weight_format: str | None
 
 @lru_cache(maxsize=None)
 def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str, weight_format: str | None, *,
-                warps: int = 4, unroll: int = 4, big_tiles: int = 4,
+                warps: int = 4, unroll: int = 4, big_tiles: int = 4, sms: int = 132,
                 wgmma: tuple | None = None):
     """moe_gate_up (kind "gate_up": x [n, K], weights [Ex, O = 2I, K], out h [n*P, O/2]) or moe_down (kind "down":
     x = h [n*P, K], weights [Ex, O, K], out y [n*P, O]); None where no path applies.
@@ -674,7 +736,7 @@ def expert_gemm(kind: str, K: int, O: int, n_slots: int, pairs: int, dtype: str,
         return None
     nvfp4 = weight_format == "nvfp4"
     Ex, P = int(n_slots), int(pairs)
-    g = _gemm_parts(kind, K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma)
+    g = _gemm_parts(kind, K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma, sms)
     small, big, min_pairs = g.small, g.big, g.min_pairs
 
     if big is not None:
@@ -731,7 +793,7 @@ __device__ __forceinline__ void {fname}(const {ct}* __restrict__ x, const int* _
 @lru_cache(maxsize=None)
 def moe_down_combine(K: int, O: int, n_slots: int, pairs: int, top_k: int, dtype: str, weight_format: str | None,
                      residual: bool, shared: bool, *, warps: int = 4, unroll: int = 4, big_tiles: int = 4,
-                     wgmma: tuple | None = None):
+                     sms: int = 132, wgmma: tuple | None = None):
     """moe_down then moe_combine in one prim_func(h[n*P, K], order, route, weights..., w[n, top_k+1], res[n, O],
     sh[n, O], y[n*P, O], out[n, O]) (res / sh read only when residual / shared: pass any [n, O] array otherwise).
     The mma.sync / NVFP4 passes combine in their last block per row tile (down_combine_source: one launch; the
@@ -741,27 +803,20 @@ def moe_down_combine(K: int, O: int, n_slots: int, pairs: int, top_k: int, dtype
         return None
     nvfp4 = weight_format == "nvfp4"
     Ex, P, Kt = int(n_slots), int(pairs), int(top_k)
-    g = _gemm_parts("down", K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma)
+    g = _gemm_parts("down", K, O, Ex, P, dtype, nvfp4, warps, unroll, big_tiles, wgmma, sms)
     cname = _combine_name(O, Kt, P, dtype, residual, shared)
     csrc = combine_source(cname, O, Kt, P, dtype, residual, shared)
     comb = _combine_launch(cname, csrc, O)
     small, big, min_pairs, TILES, NT = g.small, g.big, g.min_pairs, g.TILES, g.NT
     suffix = f"_k{Kt}{'_sh' if shared else ''}{'_res' if residual else ''}"
 
-    def fused_launch(gname: str, gsrc: str):
+    def fused_launch(gname: str, gsrc: str, MB: int):
         fname = gname.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix
         src = gsrc + csrc + down_combine_source(fname, gname, cname, O, Ex, dtype, nvfp4, NT)
-
-        @T.macro
-        def launch(npairs, n, x, order, route, wptrs, cw, rp, sp, y, out):
-            for by in T.thread_binding(T.min(Ex, npairs), thread="blockIdx.y"):
-                for bx in T.thread_binding(TILES, thread="blockIdx.x"):
-                    for tx in T.thread_binding(NT, thread="threadIdx.x"):
-                        T.evaluate(T.cuda.func_call(fname, T.address_of(x[0, 0]), T.address_of(order[0]),
-                                                    T.address_of(route[0]), *wptrs, T.address_of(y[0, 0]),
-                                                    T.address_of(cw[0, 0]), rp, sp, T.address_of(out[0, 0]),
-                                                    T.Cast("int32", n), source_code=src))
-        return launch
+        return _expert_grid(Ex, TILES, NT, MB, lambda n, x, order, route, wptrs, cw, rp, sp, y, out: T.cuda.func_call(
+            fname, T.address_of(x[0, 0]), T.address_of(order[0]), T.address_of(route[0]), *wptrs,
+            T.address_of(y[0, 0]), T.address_of(cw[0, 0]), rp, sp, T.address_of(out[0, 0]), T.Cast("int32", n),
+            source_code=src))
 
     fused = _by_tokens(P, *[fused_launch(*f) for f in g.fns])
     fname = g.name.replace("ninfer_moe_down_", "ninfer_moe_down_combine_", 1) + suffix

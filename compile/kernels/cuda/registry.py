@@ -40,8 +40,9 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     # device sampler (sampling.py): threads of the per-row select / logprobs blocks, of the process launch
     "sampler": {"threads": 1024, "process_threads": 256},
     # grouped expert GEMMs (moe.py): warps splitting K, 16-bit K steps of 32 per warp iteration (NVFP4: half as
-    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert
-    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4},
+    # many steps of 128), batch tiles of 8 pairs per pass when more than 8 pairs share an expert; sms: the decode
+    # kernel's launch bounds keep a one-token grid resident (moe.decode_launch)
+    "moe": {"warps": 4, "unroll": 4, "big_tiles": 4, "sms": 132},
     # sm_90: calls of the grouped expert GEMMs with at least rows_per_expert (token, expert) pairs per expert slot
     # on average run the wgmma kernel (moe_sm90.py, gemm's tile with bn columns and a stages-deep ring) instead
     # of the mma.sync passes
