@@ -364,7 +364,7 @@ def run_harness_subprocess(model_dir: str, cells: list, a, prefill_chunk: int, b
     cmd = [sys.executable, str(Path(__file__).resolve().parent / "serve_harness.py"), model_dir,
            "--decode", ",".join(f"{c}x{n}" for c, n in shapes), "--prefill", ",".join(map(str, ctxs)),
            "--steps", str(a.harness_steps), "--prefill-chunk", str(prefill_chunk), "--budget-s", str(budget_s),
-           "-o", out]
+           "-o", out] + ([] if a.harness_host_logits else ["--device-argmax"])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=budget_s + 300)
     except subprocess.TimeoutExpired:
@@ -508,6 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--harness-steps", type=int, default=8)
     ap.add_argument("--harness-prefill-max", type=int, default=32768, help="longest harness prefill")
     ap.add_argument("--harness-share", type=float, default=0.3, help="share of --budget-s the harness may use")
+    ap.add_argument("--harness-host-logits", action="store_true",
+                    help="harness decode steps bring the [B, V] logits to the host (default: device argmax, only token "
+                         "ids, as the engine with device sampling)")
     ap.add_argument("--no-rates", dest="rates", action="store_false",
                     help="skip the torch copy / matmul rates (measured when torch and a GPU are present)")
     ap.add_argument("--server-log", default=None, help="server output file (default: a temporary file)")
