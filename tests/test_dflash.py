@@ -170,22 +170,53 @@ def _spy_blocks(eng):
     """Record every drafted block: (request id, start, anchor, logits of its rows)."""
     prop = eng.spec.proposer
     blocks, owner = [], {}
-    propose, draft = prop.propose, prop.dr.draft
+    propose, propose_greedy, draft = prop.propose, prop.propose_greedy, prop.dr.draft
 
     def spy_propose(items, choose):
         owner.update({id(req.seq): req.rid for req, _, _ in items})
         return propose(items, choose)
 
-    def spy_draft(items):
-        logits, sel = draft(items)
+    def spy_propose_greedy(items, argmax):
+        owner.update({id(req.seq): req.rid for req, _, _ in items})
+        return propose_greedy(items, argmax)
+
+    def spy_draft(items, on_device=False):
+        logits, sel = draft(items, on_device=on_device)
+        host = logits.numpy() if on_device else logits
         row = 0
         for seq, _, start, anchor, _, k in items:
-            blocks.append((owner[id(seq)], start, anchor, logits[row: row + k].copy()))
+            blocks.append((owner[id(seq)], start, anchor, host[row: row + k].copy()))
             row += k
         return logits, sel
 
-    prop.propose, prop.dr.draft = spy_propose, spy_draft
+    prop.propose, prop.propose_greedy, prop.dr.draft = spy_propose, spy_propose_greedy, spy_draft
     return blocks
+
+
+def test_dflash2_device_candidates_draft_as_the_host_walk(arts, baseline):
+    """Greedy device rounds take DFlash2's candidates from the device sampler's top logprobs (propose_greedy):
+    every round drafts the same tokens as the host walk over [rows, vocab] logits (propose)."""
+    from ninfer_mlc.runtime.spec.dflash import DFlashProposer
+
+    case = dict(spec="dflash2", k=5, concurrency=2, prefill_chunk=16)
+    greedy_fn, host_fn = DFlashProposer.propose_greedy, DFlashProposer.propose
+    seen: dict[str, list] = {"device": [], "host": []}
+
+    def record(kind, items, drafts):
+        seen[kind] += [(st.round.start, st.round.pending, d) for (_, st, _), d in zip(items, drafts)]
+        return drafts
+
+    DFlashProposer.propose_greedy = lambda self, items, argmax: record("device", items, greedy_fn(self, items, argmax))
+    try:
+        outs, _, _ = generate(arts, PROMPTS, greedy(20), **case)
+        DFlashProposer.propose_greedy = lambda self, items, argmax: None  # the host walk in every round
+        DFlashProposer.propose = lambda self, items, choose: record("host", items, host_fn(self, items, choose))
+        outs_h, _, _ = generate(arts, PROMPTS, greedy(20), **case)
+    finally:
+        DFlashProposer.propose_greedy, DFlashProposer.propose = greedy_fn, host_fn
+    assert outs == baseline and outs_h == baseline
+    assert len(seen["device"]) > 5 and sorted(seen["device"]) == sorted(seen["host"])
+    assert any(len(d) == 5 for _, _, d in seen["device"])
 
 
 def _replayed_verify(eng):

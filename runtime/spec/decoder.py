@@ -275,6 +275,14 @@ class SpeculativeDecoder:
                     st.round.drafts, st.qs = [0] * k, [None] * k  # greedy: no draft distributions
                 argmax = self.argmax
                 return lambda: launch_device(staged, argmax)
+        propose_greedy = getattr(self.proposer, "propose_greedy", None)
+        if on_device and propose_greedy is not None:  # plainly greedy rows: no draft distributions, no history
+            greedy = propose_greedy(drafting, self.argmax)
+            if greedy is not None:
+                for (_, st, _), d in zip(drafting, greedy):
+                    assert st.round is not None  # opened for every row
+                    st.round.drafts, st.qs = d, [None] * len(d)
+                return None
         drafts = self.proposer.propose(drafting, self._choose)
         for (req, st, _), d in zip(drafting, drafts):
             req.row.rollback(len(d))  # drafts leave the history; acceptance re-adds the kept ones

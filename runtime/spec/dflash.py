@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ...contract.sampler_abi import top_logprob_slots
 from ..kv.manager import KVManager
 from ..sampling import penalised_logits
 from .base import Choose
@@ -129,8 +130,8 @@ class DFlashProposer:
         d = st.dflash
         return d is not None and d.seq is req.seq and d.end == pending_position(req, st)
 
-    def propose(self, items, choose: Choose) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in items]
+    def _live(self, items) -> list[int]:
+        """Indices of the items whose block fits the context and their sequence's pages."""
         self._flush([st.dflash for _, st, _ in items])
         limit = self.runner.manifest.max_context
         live = []
@@ -138,11 +139,44 @@ class DFlashProposer:
             start = st.round.start
             if start + self.block <= limit and self.kv.ensure(req.seq, start + self.block - req.seq.length):
                 live.append(i)
+        return live
+
+    def _draft(self, items, live: list[int], on_device: bool = False):
+        return self.dr.draft([(items[i][0].seq, items[i][1].dflash.lane, items[i][1].round.start,
+                               items[i][1].round.pending, items[i][1].dflash.ring_lo,
+                               min(items[i][2], self.block - 1)) for i in live], on_device=on_device)
+
+    def propose_greedy(self, items, argmax) -> Optional[list[list[int]]]:
+        """Drafts of plainly greedy rows (the decoder's device rounds) with DFlash2's candidates taken on the
+        device: the device sampler's top logprobs of every block row (argmax: spec.device_round.DeviceArgmax), so
+        [rows, K] ids and values come to the host instead of [rows, vocab] fp32 logits, and no vocabulary-wide
+        work runs there. None where this does not apply (DFlash, or more candidates than the sampler's top
+        slots): the decoder then calls propose."""
+        if self.selector is None or self.selector.top_k > top_logprob_slots(self.runner.vocab_size):
+            return None
+        drafts: list[list[int]] = [[] for _ in items]
+        live = self._live(items)
         if not live:
             return drafts
-        logits, sel = self.dr.draft([(items[i][0].seq, items[i][1].dflash.lane, items[i][1].round.start,
-                                      items[i][1].round.pending, items[i][1].dflash.ring_lo,
-                                      min(items[i][2], self.block - 1)) for i in live])
+        logits, sel = self._draft(items, live, on_device=True)
+        assert sel is not None  # a DFlash2 drafter returns the selector's hidden rows
+        out = argmax.run(logits, [True] * int(logits.shape[0]))
+        top_ids, top_vals = out[3].numpy(), out[4].numpy()
+        row = 0
+        for i in live:
+            _, st, k = items[i]
+            k = min(k, self.block - 1)
+            drafts[i] = self.selector.walk_greedy(top_ids[row: row + k], top_vals[row: row + k], sel[row: row + k],
+                                                  st.round.pending)
+            row += k
+        return drafts
+
+    def propose(self, items, choose: Choose) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in items]
+        live = self._live(items)
+        if not live:
+            return drafts
+        logits, sel = self._draft(items, live)
         logits = logits[:, : self.runner.sample_vocab]  # ids the tokenizer can produce, as for the target
         row = 0
         for i in live:

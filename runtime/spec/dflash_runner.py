@@ -11,7 +11,7 @@ it writes (the block: start .. start + B - 1).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -134,10 +134,11 @@ class DrafterRunner:
         self.vm["ctx"](taps, args[1], args[2], args[4], self._ints("lanes", lanes), self._ints("keep", keep),
                        *self.pools, self.params)
 
-    def draft(self, items: Sequence[tuple]) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    def draft(self, items: Sequence[tuple], on_device: bool = False) -> tuple[Any, Optional[np.ndarray]]:
         """One block per item (target seq, lane, start, anchor token, ring_lo, k): [anchor, MASK x (B-1)] at
         positions start..start+B-1. Returns logits of the first k mask rows of each block, in order
-        ([sum k, V] fp32) and, for DFlash2, the selector's projected hidden of those rows."""
+        ([sum k, V] fp32; on_device: the library's device tensor, not copied) and, for DFlash2, the selector's
+        projected hidden of those rows."""
         B, mask = self.block, self.cfg.mask_token_id
         seqs, starts, tokens, attn_pos, kv_rows = [], [], [], [], []
         rows: list[int] = []
@@ -157,8 +158,7 @@ class DrafterRunner:
                                args[2], args[4], self._ints("lanes", [it[1] for it in items]),
                                self._ints("ring_lo", [it[4] for it in items]), rows_view, self.embed, self.lm_head,
                                *self.pools, self.params)
-        logits = out[0].numpy()
         sel = out[1].numpy() if self.cfg.kind == "dflash2" else None
-        return logits, sel
+        return (out[0] if on_device else out[0].numpy()), sel
 
 

@@ -54,3 +54,22 @@ class CandidateSelector:
             prev = int(choose(j, row))
             out.append(prev)
         return out
+
+    def walk_greedy(self, top_ids: np.ndarray, top_vals: np.ndarray, hidden: np.ndarray, anchor: int) -> list[int]:
+        """The T=0 walk of a plainly greedy row from each block row's best tokens found elsewhere (the device
+        sampler's top logprobs: ids [k, S] and values [k, S], S >= top_k, any order; a logprob is the logit less
+        the row's log-sum-exp, a shift that changes no choice within the row): the top_k best are the
+        candidates, and each step takes the best-scoring one (lowest id among equal scores, as the argmax of
+        walk's -inf row does)."""
+        out, prev = [], int(anchor)
+        for j in range(top_ids.shape[0]):
+            ids, vals = top_ids[j], top_vals[j].astype(np.float32)
+            keep = ids >= 0  # -1: fewer allowed ids than slots
+            ids, vals = ids[keep], vals[keep]
+            order = np.lexsort((ids, -vals))[: self.top_k]
+            cand = ids[order].astype(np.int64)
+            a = self.pred[prev].astype(np.float32) * hidden[j].astype(np.float32)
+            s = vals[order] + self.succ[cand].astype(np.float32) @ a
+            prev = int(cand[s == s.max()].min())
+            out.append(prev)
+        return out
