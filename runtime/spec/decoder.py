@@ -299,13 +299,12 @@ class SpeculativeDecoder:
         c = self.counters
         staged = self.runner.stage_verify(batch, **self.hidden_kw)
         drafts = None
-        if chain is not None:  # (chain row, index of its first draft among the verify's tokens)
-            first_draft, at = {}, 0
-            for w, (_, toks) in zip(work, batch):
-                first_draft[w.req.rid] = at + len(w.feed)
-                at += len(toks)
+        if chain is not None:  # (chain row, index of its first draft among the verify's tokens: after its feed)
             drafts = chain()
-            where = [(r, first_draft[req.rid]) for r, (req, _, _) in enumerate(drafting)]
+            where = []
+            for r, (req, _, _) in enumerate(drafting):
+                rd = self._record(req)
+                where.append((r, rd.first_row + len(rd.refed) + 1))
         logits, cu, hid = self.runner.verify_device(staged, None if drafts is None else (drafts, where))
         lp_rows = np.zeros(int(cu[-1]), bool)
         for i, w in enumerate(work):

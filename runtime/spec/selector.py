@@ -39,8 +39,12 @@ class CandidateSelector:
         the row the candidates are picked from (default: the logits)."""
         k = min(self.top_k, logits_row.shape[0])
         cand = top_k_ids(logits_row if ranked is None else ranked, k)
+        return cand, self.transition(cand, logits_row[cand], hidden_row, predecessor)
+
+    def transition(self, cand: np.ndarray, unary: np.ndarray, hidden_row: np.ndarray, predecessor: int) -> np.ndarray:
+        """Scores of candidates `cand` (their unary scores `unary`) after `predecessor`: unary + <A[p] * h, B[c]>."""
         a = self.pred[predecessor].astype(np.float32) * hidden_row.astype(np.float32)
-        return cand, logits_row[cand].astype(np.float32) + self.succ[cand].astype(np.float32) @ a
+        return unary.astype(np.float32) + self.succ[cand].astype(np.float32) @ a
 
     def walk(self, logits: np.ndarray, hidden: np.ndarray, anchor: int, choose: Callable[[int, np.ndarray], int],
              rank: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> list[int]:
@@ -68,8 +72,7 @@ class CandidateSelector:
             ids, vals = ids[keep], vals[keep]
             order = np.lexsort((ids, -vals))[: self.top_k]
             cand = ids[order].astype(np.int64)
-            a = self.pred[prev].astype(np.float32) * hidden[j].astype(np.float32)
-            s = vals[order] + self.succ[cand].astype(np.float32) @ a
+            s = self.transition(cand, vals[order], hidden[j], prev)
             prev = int(cand[s == s.max()].min())
             out.append(prev)
         return out
