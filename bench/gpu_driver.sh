@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script overlap
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script overlap pdl
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -42,6 +42,8 @@ for step in "$@"; do
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
     overlap) run overlap ${OVERLAP_TIMEOUT:-540} python3 ${BENCH:-bench}/overlap_gpu_check.py ${SERVE_ART:-.gpu/serve} \
              -o $OUT/overlap.json ${OVERLAP_ARGS:-} ;;
+    pdl) run pdl ${PDL_TIMEOUT:-560} python3 ${BENCH:-bench}/pdl_ab.py ${PDL_ARTS:-${SERVE_ART:-.gpu/serve}} \
+             --decode ${PDL_DECODE:-8192x1,8192x8} --steps ${PDL_STEPS:-30} -o $OUT/pdl.json ;;
     harness) run harness ${HARNESS_TIMEOUT:-300} python3 bench/serve_harness.py ${HARNESS_ART:-${SERVE_ART:-.gpu/serve}} \
              -o $OUT/harness.json ${HARNESS_ARGS:-} ;;
     agent) servewhl; run agent ${AGENT_TIMEOUT:-570} python3 ${BENCH:-bench}/agent_replay.py ${SERVE_ART:-.gpu/serve} \

@@ -17,6 +17,7 @@ beside the executor's own rate for the same shape, measured in the same run:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -100,12 +101,16 @@ def _fit_tokens(runner_kv_bytes_per_token: float, reserve_bytes: int) -> int | N
 
 def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ctxs: list[int], steps: int = 8,
                 warm: int = 3, prefill_chunk: int = 512, rates: bool = True, reserve_gib: float = 8.0,
-                budget_s: float = 1e9, profile: bool = False, device_argmax: bool = False) -> dict:
+                budget_s: float = 1e9, profile: bool = False, device_argmax: bool = False,
+                programmatic_launch: bool = False, verify: str = "size") -> dict:
     """Harness decode step times and prefill times for the given shapes, with floors (see module doc).
     profile: also a CUPTI kernel breakdown (gpu_bench._profile) of one decode step per shape and of the
     first prefill chunk per context, under res["profile"].
     device_argmax: each decode step ends in the library's sampler (greedy) on the device and only the token ids
-    come to the host, as in the engine with device sampling (default: the [B, V] logits come to the host)."""
+    come to the host, as in the engine with device sampling (default: the [B, V] logits come to the host).
+    programmatic_launch: graphs with programmatic kernel edges where the library allows (EngineConfig
+    programmatic_launch; off by default). verify: the manifest check (read_manifest's; "none" lets a copy without the
+    tokenizer, which the harness never reads, travel to the GPU machine)."""
     from ninfer_mlc.contract.manifest import read_manifest
     from ninfer_mlc.runtime.harness import Harness
 
@@ -115,17 +120,21 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
     res["rates"] = device_rates(("floors",)) if rates else {}
     bw, rate = res["rates"].get("copy_bandwidth_Bps"), res["rates"].get("bf16_matmul_flops")
 
-    man = read_manifest(model_dir, verify="size")
+    man = read_manifest(model_dir, verify=verify)
     lay = man.layout()
     per_tok = lay.page_bytes / man.page_size
     max_b = max([b for _, b in decode_shapes] + [1])
-    want = max([b * (c + steps + warm + 1) for c, b in decode_shapes] + [c + 1 for c in prefill_ctxs] + [1024])
+    ps = man.page_size  # each sequence rounds up to whole pages
+    want = max([b * -(-(c + steps + warm + 1) // ps) * ps for c, b in decode_shapes]
+               + [c + 1 for c in prefill_ctxs] + [1024])
     weights = sum(int(np.prod(s)) * {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(d), 1)
                   for _, s, d in man.params)
     fit = _fit_tokens(per_tok, int(weights + reserve_gib * 2 ** 30 + (max_b + 1) * lay.state_slot_bytes))
     cap = want if fit is None else max(min(want, fit), man.page_size)
     res["kv_pool_tokens"], res["kv_pool_tokens_wanted"] = cap, want
-    h = Harness(model_dir, kv_capacity_tokens=cap, num_slots=max_b + 1, max_batch=max_b)
+    h = Harness(model_dir, kv_capacity_tokens=cap, num_slots=max_b + 1, max_batch=max_b,
+                programmatic_launch=programmatic_launch, verify=verify)
+    res["programmatic_launch"] = bool(programmatic_launch and man.extras.get("grid_dependency_wait"))
     facts = model_facts(h.runner)
     res["facts"] = facts
     rng = np.random.default_rng(0)
@@ -136,10 +145,15 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
         from ninfer_mlc.runtime.spec.device_round import DeviceArgmax
         argmax = DeviceArgmax(h.runner)
 
+    trace: list = []  # each step's greedy ids: equal digests = the same outputs (e.g. with and without PDL)
+
     def decode_step(seqs, toks):
         if argmax is None:
-            return h.decode(seqs, toks)
+            logits = h.decode(seqs, toks)
+            trace.append(np.argmax(logits, axis=-1).astype(np.int64))
+            return logits
         ids = argmax.run(h.decode(seqs, toks, on_device=True))[0].numpy()
+        trace.append(ids.astype(np.int64))
         return np.zeros((len(ids), 1), np.float32) if np.all((ids >= 0) & (ids < vocab)) else np.full((1, 1), np.nan)
 
     for ctx, b in decode_shapes:
@@ -155,6 +169,7 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
         if time.perf_counter() - t0 > budget_s:
             res["skipped"].append({"kind": "decode", "context": ctx, "batch": b, "why": "time budget"})
             continue
+        trace.clear()
         seqs = [h.new_seq() for _ in range(b)]
         for s in seqs:  # the context exists as reserved pages; the step cost does not depend on their values
             h.reserve(s, ctx + steps + warm + 1)
@@ -175,7 +190,8 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
                "tok_s_per_stream": round(1 / dt, 2), "bytes_per_step": byts,
                "floor_ms": None if floor is None else round(floor * 1e3, 3),
                "fraction_of_floor": None if floor is None else round(floor / dt, 4),
-               "logits_finite": bool(np.all(np.isfinite(logits)))}
+               "logits_finite": bool(np.all(np.isfinite(logits))),
+               "ids_sha": hashlib.sha256(np.concatenate(trace[:warm + steps]).tobytes()).hexdigest()[:16]}
         res["decode"].append(row)
         print(f"harness decode ctx={ctx} b={b}: {dt * 1e3:.2f} ms/step", flush=True)
 
@@ -213,6 +229,8 @@ def run_harness(model_dir: str, decode_shapes: list[tuple[int, int]], prefill_ct
                                "fraction_of_floor": None if floor is None else round(floor / dt, 4),
                                "logits_finite": bool(np.all(np.isfinite(out[0])))})
         print(f"harness prefill {n}: {dt:.3f} s", flush=True)
+    g = getattr(h.runner, "decode_graphs", None)
+    res["decode_graphs"] = dict(g.stats, last_error=g.last_error) if g is not None else None
     res["wall_s"] = round(time.perf_counter() - t0, 3)
     return res
 
@@ -250,11 +268,16 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="CUPTI kernel breakdown of each shape (needs torch)")
     ap.add_argument("--device-argmax", action="store_true",
                     help="decode steps end in the device sampler (greedy); only token ids come to the host")
+    ap.add_argument("--programmatic-launch", action="store_true",
+                    help="graphs with programmatic kernel -> kernel edges (PDL) where the library's kernels wait")
+    ap.add_argument("--verify", choices=("none", "size"), default="size",
+                    help="manifest check; none: an artifact copy without its tokenizer")
     ap.add_argument("-o", "--output", default=None)
     a = ap.parse_args(argv)
     res = run_harness(a.model, parse_shapes(a.decode), [int(x) for x in a.prefill.split(",") if x.strip()],
                       a.steps, prefill_chunk=a.prefill_chunk, rates=not a.no_rates, reserve_gib=a.reserve_gib,
-                      budget_s=a.budget_s, profile=a.profile, device_argmax=a.device_argmax)
+                      budget_s=a.budget_s, profile=a.profile, device_argmax=a.device_argmax,
+                      programmatic_launch=a.programmatic_launch, verify=a.verify)
     write_json(a.output, res)
     print(json.dumps(res))
     return 0

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..contract import safetensors_io
 from ..contract.manifest import Manifest, write_manifest
-from . import libcache
+from . import grid_dependency, libcache
 from .config import ConfigError, ModelConfig, load_config
 from .convert import checkpoint_has_mtp, hf_to_params
 from .lib_build import build_cached
@@ -272,6 +272,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
                 "fp4_mma": bool(use_fp4_mma), "fp4_qk": bool(use_fp4_qk), "device_sampler": SAMPLER_ABI_VERSION,
                 "max_prefill_chunk": max_rows,
+                # every kernel opens with griddepcontrol.wait (compile/grid_dependency.py): graphs may use PDL edges
+                "grid_dependency_wait": tspec.kind == "cuda" and grid_dependency.arch_supports(tspec.arch),
                 **({"tap_layers": list(taps)} if taps else {}),
                 **({"random_weights": {"seed": int(random_weights)}} if random_weights is not None else {}),
                 **({"vision": vision_section} if vision_section else {})},

@@ -123,16 +123,24 @@ def nvcc_arch(arch: str) -> str:
 
 
 def _compile_callback(arch: str):
-    """tvm_callback_cuda_compile replacement: nvcc fatbin for nvcc_arch(arch), and a copy of the
-    CUDA source under $NINFER_CUDA_SOURCE_DIR when set."""
+    """tvm_callback_cuda_compile replacement: nvcc fatbin for nvcc_arch(arch), every kernel opening with the
+    grid-dependency wait on sm_90+ (compile/grid_dependency.py), and a copy of the CUDA source under
+    $NINFER_CUDA_SOURCE_DIR when set."""
     import hashlib
 
     from tvm.support import nvcc
+
+    from . import grid_dependency
 
     suffix = nvcc_arch(arch)[3:]
     gencode = ["-gencode", f"arch=compute_{suffix},code=sm_{suffix}"]
 
     def compile_cuda(code, *_rest):
+        if grid_dependency.arch_supports(arch):
+            from .kernels.cuda.registry import kernel_params
+
+            gd = kernel_params(arch)["grid_dependency"]
+            code = grid_dependency.inject(code, gd["trigger"], tuple(gd["exit_kernels"]))
         dump = os.environ.get(SOURCE_DIR_ENV)
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ T = TypeVar("T", bound="DataclassInstance")
 
 # field name -> flag spelling for the few that do not follow the rule
 FLAG_NAMES = {"enable_thinking": "--no-thinking", "prefix_reuse": "--no-prefix-reuse"}
-ON_OFF = {"cuda_graphs", "messages_thinking_default"}  # booleans shown as `--flag on|off`
+ON_OFF = {"cuda_graphs", "programmatic_launch", "messages_thinking_default"}  # booleans shown as `--flag on|off`
 
 
 class CLIError(SystemExit):

@@ -92,7 +92,8 @@ def open_engine(art_dir: str | Path, cfg: Optional[EngineConfig] = None, meminfo
     m = runner.manifest
     max_context = min(cfg.max_context or m.max_context, m.max_context)
     num_pages = -(-kv_pool_tokens(cfg, runner, max_context) // runner.page_size)
-    runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs)
+    runner.allocate(num_pages, cfg.device_slots, cfg.max_concurrency, cuda_graphs=cfg.cuda_graphs,
+                    programmatic_launch=cfg.programmatic_launch)
     if cfg.spec in DFLASH_METHODS:  # [dflash hook] before the host tier, which moves it with the pages
         from .spec.dflash_runner import attach_paged_pool
 

@@ -18,12 +18,13 @@ class OutOfPages(RuntimeError):
 
 class Harness:
     def __init__(self, art_dir: str | Path, device: str = "auto", kv_capacity_tokens: Optional[int] = None,
-                 num_slots: int = 8, max_batch: int = 8, cuda_graphs: Optional[bool] = None, verify: str = "size"):
+                 num_slots: int = 8, max_batch: int = 8, cuda_graphs: Optional[bool] = None, verify: str = "size",
+                 programmatic_launch: bool = False):
         self.runner = ModelRunner(art_dir, device=device, verify=verify)
         r = self.runner
         cap = kv_capacity_tokens or max(r.manifest.max_context, r.page_size)
         num_pages = -(-cap // r.page_size)
-        r.allocate(num_pages, num_slots, max_batch, cuda_graphs)
+        r.allocate(num_pages, num_slots, max_batch, cuda_graphs, programmatic_launch)
         r.zero_kv()  # timed decode over reserved, never-written context must read finite values
         self.kv = KVManager(r, num_pages, num_slots)
 

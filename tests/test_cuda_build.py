@@ -127,6 +127,7 @@ def test_tiny_model_builds_for_sm90_with_quantized_kv(tmp_path, quant, kv_dtype)
                         name=f"tiny-{quant}-{kv_dtype}", log=lambda *_: None)
     m = json.loads((art / "manifest.json").read_text())
     assert m["kv_dtype"] == kv_dtype and m["target"] == "cuda-sm_90"
+    assert m["extras"]["grid_dependency_wait"] is True  # every kernel waits for its predecessor: PDL edges allowed
     assert kv_row(kv_dtype, GEOMETRY["head_dim"])[0] == "uint8"
     data = (art / m["library"]).read_bytes()
     assert FATBIN_MAGIC in data, "no fatbin in the library: CUDA code was not compiled"

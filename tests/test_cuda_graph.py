@@ -3,7 +3,7 @@
 The real capture/replay runs on the GPU machine (bench/gpu_bench.py check: graph decode logits
 equal eager ones bit for bit); here: the per-key life cycle (eager, capture + launch, replay), inputs
 that are views of persistent buffers (a replay reads what was written there for this step), failure
-fallback and LRU eviction.
+fallback and LRU eviction; the programmatic rewrite of a captured graph's kernel -> kernel edges (PDL).
 """
 from __future__ import annotations
 
@@ -68,14 +68,41 @@ class FakeLib:
     def cuGetErrorString(self, rc, ptr):
         return 0
 
+    # a captured chain of 5 nodes 1 -> 2 -> 3 -> 4 -> 5, node 3 a memcpy, the rest kernels (CUDA 12.3+ edge data)
+    NODE_TYPES = {1: 0, 2: 0, 3: 2, 4: 0, 5: 0}
+    EDGES = [(1, 2), (2, 3), (3, 4), (4, 5)]
+    refuse_programmatic = False
+
+    def cuGraphGetEdges_v2(self, g, src, dst, data, n):
+        np_ = ctypes.cast(n, ctypes.POINTER(ctypes.c_size_t))
+        if src:
+            for i, (a, b) in enumerate(self.EDGES):
+                src[i], dst[i] = a, b
+        np_[0] = len(self.EDGES)
+        return 0
+
+    def cuGraphNodeGetType(self, node, t):
+        ctypes.cast(t, ctypes.POINTER(ctypes.c_int))[0] = self.NODE_TYPES[node.value]
+        return 0
+
+    def cuGraphRemoveDependencies_v2(self, g, src, dst, data, k):
+        self.calls.append(("remove", [(src[i], dst[i]) for i in range(k)], data))
+        return 0
+
+    def cuGraphAddDependencies_v2(self, g, src, dst, data, k):
+        self.calls.append(("add", [(src[i], dst[i]) for i in range(k)],
+                           [(data[i].from_port, data[i].to_port, data[i].type) for i in range(k)]))
+        return 1 if self.refuse_programmatic else 0
+
 
 class FakeDriver(cuda_graph._Driver):
     def __init__(self):
         self.lib = FakeLib()
+        self.has_edge_data = True
 
 
 @pytest.fixture
-def graphed(monkeypatch):
+def graphed(monkeypatch, request):
     import tvm
 
     monkeypatch.setattr(cuda_graph, "_Driver", FakeDriver)
@@ -85,7 +112,7 @@ def graphed(monkeypatch):
         seen.append([a.numpy().copy() for a in args[:2]] + list(args[2:]))
         return ("logits", len(seen))
 
-    g = GraphedFunction(tvm, tvm.cpu(), func, max_graphs=2)
+    g = GraphedFunction(tvm, tvm.cpu(), func, max_graphs=2, programmatic=getattr(request, "param", False))
     bufs = [_Buffer(tvm, tvm.cpu(), 64), _Buffer(tvm, tvm.cpu(), 64)]
 
     def views(*arrays):
@@ -105,7 +132,8 @@ def test_eager_then_capture_then_replay(graphed):
     persistent = ["pool"]
     a = g.views(np.array([1, 2], np.int32), np.zeros((2, 4), np.int32))
     out1 = g(a, persistent)  # first sight: eager
-    assert g.stats == {"replays": 0, "captures": 0, "eager": 1, "capture_failures": 0, "evictions": 0}
+    assert g.stats == {"replays": 0, "captures": 0, "eager": 1, "capture_failures": 0, "evictions": 0,
+                       "programmatic_edges": 0, "programmatic_failures": 0}
     out2 = g(g.views(np.array([3, 4], np.int32), np.ones((2, 4), np.int32)), persistent)  # capture + one launch
     assert g.stats["captures"] == 1 and g.stats["replays"] == 1
     assert [c[0] for c in g.drv.lib.calls] == ["begin", "end", "launch"]
@@ -157,6 +185,35 @@ def test_lru_eviction_destroys_old_graphs(graphed):
     assert g.stats["captures"] == 3 and g.stats["evictions"] == 1
     assert len(g._graphs) == 2 and ((1,), (1, 4)) not in g._graphs
     assert sum(1 for c in g.drv.lib.calls if c[0] == "destroy") == 1
+
+
+@pytest.mark.parametrize("graphed", [True], indirect=True)
+def test_programmatic_edges_between_kernels_only(graphed):
+    """programmatic=True: after capture, the kernel -> kernel edges (1->2, 4->5) are removed and added back as
+    programmatic dependencies from the upstream kernel's programmatic port; edges to or from the copy stay."""
+    g, _ = graphed
+    a = g.views(np.array([1], np.int32), np.zeros((1, 4), np.int32))
+    g(a, [])
+    g(a, [])
+    calls = [c for c in g.drv.lib.calls if c[0] in ("remove", "add")]
+    assert calls[0][:2] == ("remove", [(1, 2), (4, 5)]) and not calls[0][2]  # default edge data
+    assert calls[1] == ("add", [(1, 2), (4, 5)], [(1, 0, 1), (1, 0, 1)])  # PORT_PROGRAMMATIC, TYPE_PROGRAMMATIC
+    assert g.stats["programmatic_edges"] == 2 and g.stats["captures"] == 1
+
+
+@pytest.mark.parametrize("graphed", [True], indirect=True)
+def test_refused_programmatic_edges_recapture_plain(graphed):
+    """A driver that refuses the programmatic edges: the step is captured again with its plain edges, and later
+    captures do not try again (the key still replays as a graph)."""
+    g, _ = graphed
+    g.drv.lib.refuse_programmatic = True
+    a = g.views(np.array([1], np.int32), np.zeros((1, 4), np.int32))
+    g(a, [])
+    g(a, [])
+    assert g.stats["programmatic_failures"] == 1 and g.stats["captures"] == 1 and not g.programmatic
+    assert [c[0] for c in g.drv.lib.calls].count("begin") == 2
+    g(a, [])
+    assert g.stats["replays"] == 2
 
 
 @pytest.mark.parametrize("w,want", [(1, 4), (4, 4), (5, 8), (128, 128), (129, 256), (4097, 8192)])

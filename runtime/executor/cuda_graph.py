@@ -24,6 +24,11 @@ bakes in every pointer and scalar of the recorded call, hence the contract:
     once, before the first capture, to WORKSPACE_BLOCKS blocks of WORKSPACE_BYTES: decode scratch
     (attention split partials, a few MB) always fits, so that pool never frees anything, and no
     eager call ever allocates from it.
+Programmatic edges (programmatic=True, for libraries whose kernels all open with griddepcontrol.wait: manifest
+extras.grid_dependency_wait, compile/grid_dependency.py): after capture, every kernel -> kernel edge becomes a
+programmatic dependency, so each kernel is launched while its predecessor drains and waits for it on the device
+instead of the graph launching it only after the predecessor completed. Other edges (copies, memsets) stay full
+dependencies. Without the driver entry points (CUDA < 12.3) graphs keep their captured edges.
 A key is first run eagerly (that call also sizes the allocator pools), captured the second time
 it is seen (capture records without executing; the graph is then launched once to do the step),
 and replayed afterwards. If capture fails the key is marked eager-only and the call runs eagerly.
@@ -37,12 +42,26 @@ from concurrent.futures import ThreadPoolExecutor
 
 _CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: the VM's allocator may cudaMalloc
 _KDLCUDA = 2
+_NODE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+_DEP_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+_PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: when every block of the upstream grid has triggered
 WORKSPACE_BLOCKS = 3
 WORKSPACE_BYTES = 64 << 20
 
 
 class CudaError(RuntimeError):
     pass
+
+
+class _EdgeData(ctypes.Structure):
+    """CUgraphEdgeData (CUDA 12.3+)."""
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+def programmatic_edges(kinds: list, edges: list) -> list:
+    """Which captured edges (index pairs into the node list) become programmatic: kernel -> kernel only."""
+    return [(a, b) for a, b in edges if kinds[a] == _NODE_KERNEL and kinds[b] == _NODE_KERNEL]
 
 
 class _Driver:
@@ -64,6 +83,19 @@ class _Driver:
             "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
         }.items():
             fn = getattr(self.lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        self.has_edge_data = True
+        ed = ctypes.POINTER(_EdgeData)
+        for name, args in {
+            "cuGraphGetEdges_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.POINTER(ctypes.c_size_t)],
+            "cuGraphRemoveDependencies_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.c_size_t],
+            "cuGraphAddDependencies_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.c_size_t],
+            "cuGraphNodeGetType": [vp, ctypes.POINTER(ctypes.c_int)],
+        }.items():
+            fn = getattr(self.lib, name, None)
+            if fn is None:
+                self.has_edge_data = False
+                continue
             fn.argtypes, fn.restype = args, ctypes.c_int
 
     def check(self, rc: int, what: str) -> None:
@@ -91,7 +123,7 @@ class GraphedFunction:
     recorded call's outputs, now holding this step's results).
     """
 
-    def __init__(self, tvm, dev, func, max_graphs: int = 48):
+    def __init__(self, tvm, dev, func, max_graphs: int = 48, programmatic: bool = False):
         import tvm_ffi
 
         self.tvm, self.dev, self.func, self.max_graphs = tvm, dev, func, max_graphs
@@ -106,7 +138,9 @@ class GraphedFunction:
         self._graphs: OrderedDict = OrderedDict()
         self._capture_thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graph-capture")
         self._thread_ready = False
-        self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_failures": 0, "evictions": 0}
+        self.programmatic = programmatic and self.drv.has_edge_data
+        self.stats = {"replays": 0, "captures": 0, "eager": 0, "capture_failures": 0, "evictions": 0,
+                      "programmatic_edges": 0, "programmatic_failures": 0}
         self.last_error: str | None = None
 
     @staticmethod
@@ -177,6 +211,7 @@ class GraphedFunction:
         graph = ctypes.c_void_p()
         assert self.stream.value is not None  # cuStreamCreate made it
         self.dev.sync()
+        pdl = False
         try:
             with self._use_stream(self.dev, self.stream.value):
                 self.drv.call("cuStreamBeginCapture_v2", self.stream, _CAPTURE_RELAXED)
@@ -185,11 +220,19 @@ class GraphedFunction:
                 finally:
                     rc = self.drv.lib.cuStreamEndCapture(self.stream, ctypes.byref(graph))
                 self.drv.check(rc, "cuStreamEndCapture")
+            pdl = self.programmatic
+            if pdl:
+                self.stats["programmatic_edges"] += self._make_programmatic(graph)
             exe = ctypes.c_void_p()
             self.drv.call("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, 0)
         except Exception as e:  # noqa: BLE001 - any failure: this key runs eagerly from now on
             if graph.value:
                 self.drv.lib.cuGraphDestroy(graph)
+            self.last_error = repr(e)[:300]
+            if pdl:  # the driver refused the programmatic edges: graphs keep their captured edges from now on
+                self.programmatic = False
+                self.stats["programmatic_failures"] += 1
+                return self._record(key, inputs, persistent)
             self._eager_only.add(key)
             self.stats["capture_failures"] += 1
             self.last_error = repr(e)[:300]
@@ -204,6 +247,44 @@ class GraphedFunction:
             self._destroy(old)
             self.stats["evictions"] += 1
         return entry
+
+    def _make_programmatic(self, graph) -> int:
+        """Turn the graph's kernel -> kernel edges into programmatic dependencies (see the module docstring);
+        returns how many."""
+        vp, drv = ctypes.c_void_p, self.drv
+        n = ctypes.c_size_t(0)
+        drv.call("cuGraphGetEdges_v2", graph, None, None, None, ctypes.byref(n))
+        if not n.value:
+            return 0
+        src, dst, data = (vp * n.value)(), (vp * n.value)(), (_EdgeData * n.value)()
+        drv.call("cuGraphGetEdges_v2", graph, src, dst, data, ctypes.byref(n))
+        index: dict = {}
+        kinds: list = []
+        pairs = []
+        for i in range(n.value):
+            if data[i].type or data[i].from_port or data[i].to_port:
+                continue  # not a plain captured edge: leave it
+            ends = []
+            for node in (src[i], dst[i]):
+                if node not in index:
+                    kind = ctypes.c_int(-1)
+                    drv.call("cuGraphNodeGetType", vp(node), ctypes.byref(kind))
+                    index[node] = len(kinds)
+                    kinds.append(kind.value)
+                ends.append(index[node])
+            pairs.append((i, ends[0], ends[1]))
+        chosen = set(programmatic_edges(kinds, [(a, b) for _, a, b in pairs]))
+        picked = [i for i, a, b in pairs if (a, b) in chosen]
+        if not picked:
+            return 0
+        k = len(picked)
+        f, t = (vp * k)(*[src[i] for i in picked]), (vp * k)(*[dst[i] for i in picked])
+        drv.call("cuGraphRemoveDependencies_v2", graph, f, t, None, k)
+        new = (_EdgeData * k)()
+        for e in new:
+            e.from_port, e.type = _PORT_PROGRAMMATIC, _DEP_PROGRAMMATIC
+        drv.call("cuGraphAddDependencies_v2", graph, f, t, new, k)
+        return k
 
     def _destroy(self, entry: _Entry) -> None:
         self.drv.lib.cuGraphExecDestroy(entry.exec)

@@ -146,8 +146,11 @@ class ModelRunner:
         left = free - self.AUTO_HEADROOM - self.step_workspace_bytes(step_rows) - num_slots * self.layout.state_slot_bytes
         return max(self.manifest.max_context, int(left // per_token))
 
-    def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None) -> None:
-        """Pools for num_pages KV pages and num_slots state slots, input buffers for max_batch rows."""
+    def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None,
+                 programmatic_launch: bool = False) -> None:
+        """Pools for num_pages KV pages and num_slots state slots, input buffers for max_batch rows.
+        programmatic_launch: graphs get programmatic kernel edges where the library's kernels wait for their
+        predecessor (manifest extras.grid_dependency_wait)."""
         lay, empty = self.layout, self.tvm.runtime.empty
         self.num_pages, self.num_slots = num_pages, num_slots
         self.kv_pool = empty((num_pages,) + lay.kv_page, lay.kv_dtype, self.dev)
@@ -162,15 +165,20 @@ class ModelRunner:
         self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
         self.replay_inputs = ReplayInputs(self.tvm, self.dev) if self.has_gdn_replay else None
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
-            self.decode_graphs = GraphedFunction(self.tvm, self.dev, self.vm["decode"])
+            pdl = bool(programmatic_launch and self.manifest.extras.get("grid_dependency_wait"))
+
+            def graphed(name: str) -> GraphedFunction:
+                return GraphedFunction(self.tvm, self.dev, self.vm[name], programmatic=pdl)
+
+            self.decode_graphs = graphed("decode")
             if self.has_verify:
-                self.verify_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify"])
+                self.verify_graphs = graphed("verify")
             if self.has_taps:
-                self.verify_t_graphs = GraphedFunction(self.tvm, self.dev, self.vm["verify_t"])
+                self.verify_t_graphs = graphed("verify_t")
             if self.has_mtp:
-                self.mtp_graphs = GraphedFunction(self.tvm, self.dev, self.vm["mtp_step"])
+                self.mtp_graphs = graphed("mtp_step")
             if self.has_gdn_replay:
-                self.replay_graphs = GraphedFunction(self.tvm, self.dev, self.vm["gdn_replay"])
+                self.replay_graphs = graphed("gdn_replay")
         self._graph_generation = self.inputs.generation
 
     def zero_kv(self) -> None:

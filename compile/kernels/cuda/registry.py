@@ -32,6 +32,11 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     "chunked_delta_rule": {"chunk": 32, "state_tile": 16, "ept": 16, "mma": None, "mma_tile": 32, "tf32x3": "auto"},
     "recurrent_delta_rule": {},
     "rms_norm": {"threads": 256},
+    # programmatic dependent launch (compile/grid_dependency.py): when a kernel lets its successor launch. "entry":
+    # right after its own wait (the successor's blocks become resident while this grid runs); "exit": only the
+    # implicit trigger as its blocks exit (the successor is launched once this grid's blocks are done, before the
+    # grid's completion is signalled); exit_kernels: name prefixes that keep "exit" under "entry"
+    "grid_dependency": {"trigger": "exit", "exit_kernels": []},
     "gemv": {"unroll": 4, "min_warps": 1, "max_warps": 8, "target_warps": 2048, "big_tiles": 4, "fma_warps": 4,
              "sms": 132},
     # prefill GEMM (gemm_sm90.py, sm_90 only): tile columns, cp.async ring depth, grouped tile order, and
