@@ -57,6 +57,11 @@ class SpecCounters:
     accept_s: float = 0.0  # acceptance and logprobs
     settle_s: float = 0.0  # after the scheduler commits: snapshot restore or drop, proposer bookkeeping
     round_s: float = 0.0  # the whole round() call (its remainder over the phases above is host glue)
+    # the device's idle time between device rounds: host seconds from one round's read of the device to the next
+    # round's first launch (settle, the engine's commit and schedule, snapshot, staging), over `gaps` such pairs of
+    # back-to-back device rounds (a prefill or a host round in between starts over)
+    gap_s: float = 0.0
+    gaps: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,7 +72,8 @@ class SpecCounters:
         return round(self.emitted_tokens / self.row_rounds, 6) if self.row_rounds else 0.0
 
     def phase_ms_per_round(self) -> dict[str, float]:
-        """Mean milliseconds per round of each phase; `glue` is round() minus its phases, `total` adds settle."""
+        """Mean milliseconds per round of each phase; `glue` is round() minus its phases, `total` adds settle;
+        `gap`: mean ms from a device round's read to the next one's first launch (gap_s)."""
         return phase_ms(self, self.rounds)
 
 
@@ -77,14 +83,17 @@ PHASES = ("snapshot", "propose", "verify", "accept", "settle")
 def phase_ms(c: SpecCounters, rounds: int, before: Optional[SpecCounters] = None) -> dict[str, float]:
     """Mean ms per round of each phase of c (minus `before`, for a window of `rounds` rounds); zeros without rounds."""
     if rounds <= 0:
-        return {k: 0.0 for k in PHASES + ("glue", "total")}
+        return {k: 0.0 for k in PHASES + ("glue", "total", "gap")}
 
     def d(name: str) -> float:
         return getattr(c, name) - (getattr(before, name) if before is not None else 0.0)
     out = {p: d(p + "_s") for p in PHASES}
     out["glue"] = d("round_s") - sum(out[p] for p in PHASES if p != "settle")
     out["total"] = d("round_s") + out["settle"]
-    return {k: round(1000.0 * v / rounds, 4) for k, v in out.items()}
+    ms = {k: round(1000.0 * v / rounds, 4) for k, v in out.items()}
+    gaps = d("gaps")
+    ms["gap"] = round(1000.0 * d("gap_s") / gaps, 4) if gaps > 0 else 0.0
+    return ms
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ def test_mtp_head_matches_torch_reference(prompts):
     seq = runner.new_seq()
     act = SimpleNamespace(req=SimpleNamespace(prompt_ids=ids), generated=[], seq=seq)
     act.all_tokens = lambda: list(ids) + act.generated
+    act.tokens_between = lambda lo, hi: act.all_tokens()[lo:hi]
     prop = MTPProposer(runner)
     st = SimpleNamespace(mtp_pos=0, mtp_hidden=None, unfed=None)
     hidden = []

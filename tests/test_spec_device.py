@@ -104,6 +104,7 @@ def test_mtp_chain_on_device_matches_host(runner, prompts):
         seq = runner.new_seq()
         act = SimpleNamespace(req=SimpleNamespace(prompt_ids=ids), generated=[], seq=seq)
         act.all_tokens = lambda a=act: list(ids) + a.generated
+        act.tokens_between = lambda lo, hi, a=act: a.all_tokens()[lo:hi]
         st = SimpleNamespace(mtp_pos=0, mtp_hidden=None, unfed=None)
         logits, (h,) = runner.prefill_h([(seq, ids)])
         prop.after_prefill([(act, st, 0, h)])
@@ -172,9 +173,10 @@ def test_device_rounds_match_host_rounds(prompts, forced):
     if forced is not None:  # forced rows keep drafts whatever the target says: same counts on both paths
         assert sp.accepted_tokens == st_host.spec.accepted_tokens
     phases = st_dev.to_dict()["spec"]["phase_ms_per_round"]
-    assert set(phases) == set(PHASES) | {"glue", "total"}
+    assert set(phases) == set(PHASES) | {"glue", "total", "gap"}
     assert all(phases[p] >= 0 for p in PHASES) and phases["verify"] + phases["accept"] > 0
     assert phases["total"] >= phases["verify"] + phases["accept"]
+    assert sp.gaps > 0 and 0 < phases["gap"] < phases["total"]  # back-to-back device rounds: the host's part
 
 
 def test_refeed_bound(prompts, without_gdn_replay):

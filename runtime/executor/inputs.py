@@ -16,6 +16,8 @@ from typing import Any, Optional, Protocol, Sequence, cast
 import numpy as np
 
 from .host_copy import HostCopy
+from .upload_batch import UploadBatch
+from .view_cache import ViewCache
 
 
 class SeqLike(Protocol):
@@ -43,6 +45,7 @@ class _Buffer:
         self.host = np.zeros(max(1, capacity), np.int32)
         self.dev = tvm.runtime.empty((self.host.size,), "int32", dev)
         self._views: dict[tuple, Any] = {}
+        self._at = ViewCache()  # views at offsets (view())
         self._copy = HostCopy(tvm)
 
     @property
@@ -51,16 +54,19 @@ class _Buffer:
 
     def view(self, shape: tuple, offset: int = 0):
         """Device view of `shape` at element `offset`, without a copy (filled on the device)."""
-        return self.dev._create_view(tuple(int(x) for x in shape), "int32", 4 * int(offset))
+        return self._at(self.dev, tuple(int(x) for x in shape), "int32", 4 * int(offset))
 
-    def upload(self, shape: tuple):
-        """Device view of the first prod(shape) staged values (copied now)."""
+    def upload(self, shape: tuple, uploads: Optional[UploadBatch] = None):
+        """Device view of the first prod(shape) staged values (copied now, or added to `uploads`)."""
         view = self._views.get(shape)
         if view is None:
             if len(self._views) >= self.MAX_VIEWS:
                 self._views.clear()
             view = self._views[shape] = self.dev._create_view(tuple(int(s) for s in shape), "int32", 0)
-        self._copy(view, self.host[: math.prod(shape)], 4)
+        if uploads is not None:
+            uploads.add(view, self.host[: math.prod(shape)])
+        else:
+            self._copy(view, self.host[: math.prod(shape)], 4)
         return view
 
 
@@ -108,6 +114,7 @@ class StepInputs:
         self.r_slots = _Buffer(tvm, dev, max_batch)
         self.r_pages = _Buffer(tvm, dev, max_batch * max_pages)
         self.r_rows = PageTableRows(max_batch, max_pages)
+        self.uploads = UploadBatch(tvm, dev)  # a ragged call's inputs go up in one copy
 
     def _alloc_ragged(self, n: int) -> None:
         self.generation += 1
@@ -122,10 +129,10 @@ class StepInputs:
             raise ValueError(f"a step takes 1..{self.max_batch} sequences, got {b}")
 
     @staticmethod
-    def _stage_table(rows: PageTableRows, buf: _Buffer, b: int, width: int):
+    def _stage_table(rows: PageTableRows, buf: _Buffer, b: int, width: int, uploads: Optional[UploadBatch] = None):
         staged = buf.host[: b * width].reshape(b, width)
         np.copyto(staged, rows.table[:b, :width])
-        return buf.upload((b, width))
+        return buf.upload((b, width), uploads)
 
     # ---- decode -------------------------------------------------------------------------
     def decode(self, seqs: Sequence[SeqLike], tokens: Sequence[int], width_of=None) -> list:
@@ -161,10 +168,12 @@ class StepInputs:
 
     def ragged(self, seqs: Sequence[SeqLike], chunks: Sequence[Sequence[int] | np.ndarray],
                out_rows: Optional[np.ndarray] = None,
-               starts: Optional[Sequence[int]] = None, width_of=None) -> tuple[list, np.ndarray, object]:
+               starts: Optional[Sequence[int]] = None, width_of=None,
+               uploads: Optional[UploadBatch] = None) -> tuple[list, np.ndarray, object]:
         """[tokens, positions, token_seq, cu_seqlens, page_table, slot_ids] views, the cu_seqlens
         values, and (when out_rows is given) a view of those row indices. Chunk i sits at positions
-        starts[i].. (default: the sequence's length, i.e. appended)."""
+        starts[i].. (default: the sequence's length, i.e. appended). The values go up in one host->device
+        copy, now, or with the caller's `uploads` (sent by the caller before anything reads them)."""
         b = len(seqs)
         self._check_batch(b)
         lens = [len(t) for t in chunks]
@@ -186,13 +195,16 @@ class StepInputs:
         width = self.r_rows.fill(seqs)
         if width_of is not None:
             width = min(width_of(width), self.max_pages)
-        args = [self.r_tokens.upload((n,)), self.r_positions.upload((n,)), self.r_seq.upload((n,)),
-                self.r_cu.upload((b + 1,)), self._stage_table(self.r_rows, self.r_pages, b, width),
-                self.r_slots.upload((b,))]
+        batch = self.uploads if uploads is None else uploads
+        args = [self.r_tokens.upload((n,), batch), self.r_positions.upload((n,), batch),
+                self.r_seq.upload((n,), batch), self.r_cu.upload((b + 1,), batch),
+                self._stage_table(self.r_rows, self.r_pages, b, width, batch), self.r_slots.upload((b,), batch)]
         rows_view = None
         if out_rows is not None:
             self.r_out.host[: out_rows.size] = out_rows
-            rows_view = self.r_out.upload((out_rows.size,))
+            rows_view = self.r_out.upload((out_rows.size,), batch)
+        if uploads is None:
+            batch.send()
         return args, cu.copy(), rows_view
 
     def tensor(self, a, dtype: str = "int32"):
@@ -230,10 +242,13 @@ class ChainInputs:
         self.p_seq = _Buffer(tvm, dev, 64)
         self.p_rows = _Buffer(tvm, dev, max_batch)
         self.p_hidden: Any = None
+        self._views = ViewCache()  # the rows of table and drafts
 
-    def stage(self, seqs: Sequence[SeqLike], first: Sequence[int], steps: int, width_of=None) -> list:
+    def stage(self, seqs: Sequence[SeqLike], first: Sequence[int], steps: int, uploads: UploadBatch,
+              width_of=None) -> list:
         """Stage a chain of `steps` steps whose step j puts row i at position first[i] + j; returns the step's
-        input views [hidden, tokens, positions, token_seq, page_table] (mtp_step's order, no cu_seqlens)."""
+        input views [hidden, tokens, positions, token_seq, page_table] (mtp_step's order, no cu_seqlens). The
+        values join `uploads` (the caller sends them)."""
         b = len(seqs)
         if not 1 <= b <= self.max_batch:
             raise ValueError(f"a chain takes 1..{self.max_batch} sequences, got {b}")
@@ -244,20 +259,20 @@ class ChainInputs:
             self.generation += 1
         if steps:
             table = np.asarray(first, np.int32)[None, :] + np.arange(steps, dtype=np.int32)[:, None]
-            self.table._create_view((steps * b,), "int32", 0).copyfrom(np.ascontiguousarray(table).reshape(-1))
+            uploads.add(self._views(self.table, (steps * b,), "int32"), table)
         self._b = b
         self.seq.host[:b] = np.arange(b, dtype=np.int32)
         width = self.rows.fill(seqs)
         if width_of is not None:
             width = min(width_of(width), self.max_pages)
-        return [None, self.tokens.view((b,)), self.positions.view((b,)), self.seq.upload((b,)),
-                StepInputs._stage_table(self.rows, self.pages, b, width)]
+        return [None, self.tokens.view((b,)), self.positions.view((b,)), self.seq.upload((b,), uploads),
+                StepInputs._stage_table(self.rows, self.pages, b, width, uploads)]
 
     def stage_prefill(self, hidden: np.ndarray, tokens: Sequence[Sequence[int]], starts: Sequence[int],
-                      page_table) -> list:
+                      page_table, uploads: UploadBatch) -> list:
         """Inputs of the chain's first call, mtp_prefill: hidden rows [m, D] (all sequences), each sequence's
         next tokens and first position; page_table: the chain's (stage() first). Returns [hidden, tokens,
-        positions, token_seq, page_table, logit_rows]."""
+        positions, token_seq, page_table, logit_rows]; the values join `uploads` (the caller sends them)."""
         lens = [len(t) for t in tokens]
         m = int(sum(lens))
         if m > self.p_tokens.capacity:
@@ -275,25 +290,25 @@ class ChainInputs:
             self.p_hidden = self.tvm.runtime.empty((max(h.size, 2 * (0 if self.p_hidden is None else
                                                                       int(self.p_hidden.shape[0])), 1),),
                                                    "float32", self.dev)
-        hv = self.p_hidden._create_view(h.shape, "float32", 0)
-        hv.copyfrom(h)
-        return [hv, self.p_tokens.upload((m,)), self.p_positions.upload((m,)), self.p_seq.upload((m,)), page_table,
-                self.p_rows.upload((len(lens),))]
+        hv = self._views(self.p_hidden, tuple(h.shape), "float32")
+        uploads.add(hv, h)
+        return [hv, self.p_tokens.upload((m,), uploads), self.p_positions.upload((m,), uploads),
+                self.p_seq.upload((m,), uploads), page_table, self.p_rows.upload((len(lens),), uploads)]
 
     def hidden_view(self, b: int, d: int):
         if self.hidden is None or int(self.hidden.shape[1]) != d:
             self.hidden = self.tvm.runtime.empty((self.max_batch, d), "float32", self.dev)
             self.generation += 1
-        return self.hidden._create_view((b, d), "float32", 0)
+        return self._views(self.hidden, (b, d), "float32")
 
     def positions_row(self, j: int):
         """Device view of step j's positions (staged by `stage`)."""
-        return self.table._create_view((self._b,), "int32", j * self._b * 4)
+        return self._views(self.table, (self._b,), "int32", j * self._b * 4)
 
     def drafts_row(self, j: int):
         """Device view of the chain's j-th drafts [b] (j = 0: the drafts of the prefill that starts the chain)."""
-        return self.drafts._create_view((self._b,), "int32", j * self._b * 4)
+        return self._views(self.drafts, (self._b,), "int32", j * self._b * 4)
 
     def drafts_rows(self, n: int):
         """The first n rows of drafts as one [n, b] view (read once, after the round's verify)."""
-        return self.drafts._create_view((n, self._b), "int32", 0)
+        return self._views(self.drafts, (n, self._b), "int32")

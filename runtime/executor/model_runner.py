@@ -7,6 +7,7 @@ that what it is asked to run fits what was reserved.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -20,6 +21,8 @@ from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
 from .inputs import ChainInputs, SeqLike, StepInputs
 from .replay_inputs import ReplayInputs
+from .upload_batch import UploadBatch
+from .view_cache import ViewCache
 from .media_forward import decode_rope_positions, has_media, prefill_media
 from .weights import load_params, np_dtype
 
@@ -87,9 +90,11 @@ class ModelRunner:
         self.replay_inputs: Optional[ReplayInputs] = None
         self._replay_generation = 0
         self.chain: Optional[ChainInputs] = None  # the device MTP draft chain's inputs (stage_draft_chain)
+        self.round_uploads: Optional[UploadBatch] = None  # inputs of several staged calls, one copy (upload_batch)
         self._chain_generation = 0
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
+        self._views = ViewCache()  # state-slot views and the draft copies' views (a round reuses the same ones)
         self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -164,6 +169,7 @@ class ModelRunner:
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, max_pages)
         self.chain = ChainInputs(self.tvm, self.dev, max_batch, max_pages) if self.has_mtp else None
         self.replay_inputs = ReplayInputs(self.tvm, self.dev) if self.has_gdn_replay else None
+        self.round_uploads = UploadBatch(self.tvm, self.dev)
         if self.device_kind == "cuda" and (cuda_graphs is None or cuda_graphs):
             pdl = bool(programmatic_launch and self.manifest.extras.get("grid_dependency_wait"))
 
@@ -223,8 +229,10 @@ class ModelRunner:
         return self._view(self.mtp_kv_pool, self.layout.mtp_page, page, self._np_kv.itemsize)
 
     def state_views(self, slot: int):
-        return (self._view(self.conv_pool, self.layout.conv_slot, slot, self._np_conv.itemsize),
-                self._view(self.ssm_pool, self.layout.ssm_slot, slot, 4))
+        conv, ssm = self.layout.conv_slot, self.layout.ssm_slot
+        return (self._views(self.conv_pool, tuple(conv), self.layout.state_dtype,
+                            slot * math.prod(conv) * self._np_conv.itemsize),
+                self._views(self.ssm_pool, tuple(ssm), "float32", slot * math.prod(ssm) * 4))
 
     def sync(self) -> None:
         """Wait for queued device copies (host tier transfers are timed and must be complete)."""
@@ -390,9 +398,22 @@ class ModelRunner:
     def _verify_call(self, batch, taps: bool, drafts=None, wait: bool = True):
         return self.run_verify(self.stage_verify(batch, taps), drafts, wait)
 
-    def stage_verify(self, batch, taps: bool = False) -> tuple:
-        """A verify's inputs, staged (host->device copies) now and launched by run_verify: a round stages its
-        verify before launching the draft chain, so nothing waits for the device between the two."""
+    def upload_batch(self) -> UploadBatch:
+        """The runner's batch (emptied) for the inputs of several staged calls, sent in ONE host->device copy: a
+        device round stages its draft chain and its verify into it (stage_draft_chain, stage_verify), sends it,
+        then launches both. run_verify and run_draft_chain refuse to launch while it holds unsent inputs."""
+        assert self.round_uploads is not None  # allocate() made it
+        self.round_uploads.discard()
+        return self.round_uploads
+
+    def _check_sent(self) -> None:
+        if self.round_uploads is not None and self.round_uploads.pending:
+            raise RuntimeError("launch with staged inputs not sent (UploadBatch.send first)")
+
+    def stage_verify(self, batch, taps: bool = False, uploads: Optional[UploadBatch] = None) -> tuple:
+        """A verify's inputs, staged now and launched by run_verify: a round stages its verify before launching
+        the draft chain, so nothing waits for the device between the two. uploads: a batch the values join (the
+        caller sends it before the launch); default: sent now, in one copy."""
         seqs = [s for s, _ in batch]
         chunks = [t for _, t in batch]
         self._check_room(seqs, [len(t) for t in chunks])
@@ -400,7 +421,8 @@ class ModelRunner:
         name = self._hidden_fn("verify", taps)
         graphs = self.verify_t_graphs if taps else self.verify_graphs
         assert self.inputs is not None  # allocate() made the input buffers
-        args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None)
+        args, cu, _ = self.inputs.ragged(seqs, chunks, width_of=page_width_bucket if graphs is not None else None,
+                                         uploads=uploads)
         if graphs is not None:
             self._ragged_graphs()
         return name, graphs, args, cu
@@ -408,16 +430,17 @@ class ModelRunner:
     def run_verify(self, staged: tuple, drafts=None, wait: bool = True):
         """Launch a staged verify: (the library's outputs, cu_seqlens); drafts as verify_device's."""
         name, graphs, args, cu = staged
+        self._check_sent()
         if drafts is not None:
             assert self.inputs is not None
             rows, where = drafts
             k, b = (int(x) for x in rows.shape)
             if b == 1:  # one sequence: its drafts are contiguous, one copy
-                rows._create_view((k,), "int32", 0).copyto(self.inputs.r_tokens.view((k,), where[0][1]))
-            else:
+                self._views(rows, (k,), "int32").copyto(self.inputs.r_tokens.view((k,), where[0][1]))
+            else:  # [k, b] step-major -> each row's k tokens: a device copy per draft (views made once)
                 for j in range(k):
                     for r, at in where:
-                        src = rows._create_view((1,), "int32", 4 * (j * b + r))
+                        src = self._views(rows, (1,), "int32", 4 * (j * b + r))
                         src.copyto(self.inputs.r_tokens.view((1,), at + j))
         if graphs is not None:
             out = graphs(args, self._pools(), wait=wait)
@@ -530,11 +553,13 @@ class ModelRunner:
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
 
-    def stage_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int) -> tuple:
+    def stage_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int,
+                          uploads: Optional[UploadBatch] = None) -> tuple:
         """Stage a round's MTP draft chain (run_draft_chain launches it): mtp_prefill over items (as
         mtp_prefill's: the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s
         putting each row at the position after the previous one. Every host->device copy of the chain happens
-        here (TVM's wait for the device): stage the round's verify too before launching anything."""
+        here (TVM's waits for the device): its values join `uploads` (the round's verify joins them too; the
+        caller sends the batch before launching anything); default: sent now, in one copy."""
         if not self.has_mtp or self.chain is None:
             raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
         lens = self._check_mtp_items(items, bounded=True)
@@ -543,9 +568,12 @@ class ModelRunner:
         if steps > 1:
             self._check_mtp(seqs, [f + steps - 2 for f in first])
         chain, graphs = self.chain, self.mtp_graphs  # its graphs under the tag "chain" (other input buffers)
-        args = chain.stage(seqs, first, steps - 1, width_of=page_width_bucket if graphs is not None else None)
+        batch = self.upload_batch() if uploads is None else uploads
+        args = chain.stage(seqs, first, steps - 1, batch, width_of=page_width_bucket if graphs is not None else None)
         hidden = np.concatenate([h for _, h, _, _ in items])
-        pre = chain.stage_prefill(hidden, [t for _, _, t, _ in items], [p for _, _, _, p in items], args[4])
+        pre = chain.stage_prefill(hidden, [t for _, _, t, _ in items], [p for _, _, _, p in items], args[4], batch)
+        if uploads is None:
+            batch.send()
         args[0] = chain.hidden_view(len(seqs), int(hidden.shape[1]))
         if graphs is not None and chain.generation != self._chain_generation:
             graphs.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
@@ -560,6 +588,7 @@ class ModelRunner:
         steps, args, pre = staged
         chain, graphs = self.chain, self.mtp_graphs
         assert chain is not None  # stage_draft_chain checked it
+        self._check_sent()
         out = self.vm["mtp_prefill"](*pre, self.mtp_kv_pool, self.params)
         # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
         choose(out[0]).copyto(chain.drafts_row(0))

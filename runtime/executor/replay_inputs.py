@@ -12,12 +12,15 @@ from typing import Any
 
 import numpy as np
 
+from .view_cache import ViewCache
+
 
 class ReplayInputs:
     def __init__(self, tvm, dev):
         self.tvm, self.dev = tvm, dev
         self.generation = 0
         self._bufs: dict[str, Any] = {}  # name -> flat device tensor
+        self._views = ViewCache()
 
     def _view(self, name: str, shape: tuple, dtype: str):
         size = int(np.prod(shape))
@@ -25,7 +28,7 @@ class ReplayInputs:
         if held < size:
             self.generation += 1
             self._bufs[name] = self.tvm.runtime.empty((max(size, 2 * held),), dtype, self.dev)
-        return self._bufs[name]._create_view(tuple(int(x) for x in shape), dtype, 0)
+        return self._views(self._bufs[name], tuple(int(x) for x in shape), dtype)
 
     def stage(self, gdn_rows: tuple, rows: np.ndarray, cu: np.ndarray, slots: np.ndarray) -> list:
         """[qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids] views holding this call's values (for given shapes, at
@@ -42,7 +45,7 @@ class ReplayInputs:
         at = 0
         for name, a in (("rows", rows), ("cu", cu), ("slots", slots)):
             view = self._view(name, (len(a),), "int32")
-            self._bufs["index"]._create_view((len(a),), "int32", 4 * at).copyto(view)
+            self._views(self._bufs["index"], (len(a),), "int32", 4 * at).copyto(view)
             out.append(view)
             at += len(a)
         return out

@@ -100,6 +100,13 @@ class Request:
     def all_tokens(self) -> list[int]:
         return list(self.req.prompt_ids) + self.generated
 
+    def tokens_between(self, start: int, stop: int) -> list[int]:
+        """all_tokens()[start:stop] (0 <= start <= stop) without building the whole history."""
+        prompt = self.req.prompt_ids
+        n = len(prompt)
+        head = [int(t) for t in prompt[start:stop]] if start < n else []
+        return head + self.generated[max(start - n, 0): max(stop - n, 0)]
+
     def cache_keys(self, tokens: list[int]) -> list[int]:
         """The prefix-cache identity of tokens (a prefix of prompt + generated): image placeholders become
         ids derived from their image's digest (runtime/vision/mrope.py cache_key_ids), so a different image

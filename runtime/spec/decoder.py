@@ -87,6 +87,7 @@ class SpeculativeDecoder:
         self.refeed_max = draft_tokens + 1 if refeed_max is None else int(refeed_max)
         self.argmax = DeviceArgmax(runner) if device_rounds and supports_device_sampler(runner.manifest, runner.vm) \
             else None
+        self._read_at: Optional[float] = None  # perf_counter of the last device round's read (counters.gap_s)
 
     def state(self, req: Request) -> SpecState:
         st = self.states.get(req.rid)
@@ -172,6 +173,7 @@ class SpeculativeDecoder:
     def prefill(self, batch: list[tuple[Request, list[int]]]) -> list[np.ndarray]:
         """The target's prefill (last-row logits per sequence); with MTP also fills the head."""
         self.flush_replays()  # (a round whose rows did not all settle)
+        self._read_at = None  # the device works on the prefill: no idle gap to the next round
         for req, _ in batch:  # a (re)admitted request's feed already holds any unfed tokens
             self.state(req).unfed = None
         if not self.proposer.wants_prefill_hidden:
@@ -217,7 +219,14 @@ class SpeculativeDecoder:
         c.snapshot_s += t - t_round
         on_device = self._device_round(work)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
-        chain = self._propose(drafting, on_device) if drafting else None
+        # a device round's chain and verify inputs go up in one host->device copy (each copy waits for the device)
+        uploads = self.runner.upload_batch() if on_device else None
+        try:
+            chain = self._propose(drafting, on_device, uploads) if drafting else None
+        except BaseException:
+            if uploads is not None:
+                uploads.discard()
+            raise
         t, t0 = time.perf_counter(), t
         c.propose_s += t - t0
         batch = [(w.req.live_seq, w.feed + self._record(w.req).drafts) for w in work]
@@ -225,9 +234,10 @@ class SpeculativeDecoder:
         for w, (_, toks) in zip(work, batch):
             self._record(w.req).first_row = at
             at += len(toks)
-        if on_device:
-            results = self._verify_accept_device(work, batch, t, chain, drafting)
+        if uploads is not None:
+            results = self._verify_accept_device(work, batch, t, chain, drafting, uploads)
         else:
+            self._read_at = None
             logits, hidden = self.runner.verify(batch, **self.hidden_kw)
             t, t0 = time.perf_counter(), t
             c.verify_s += t - t0
@@ -261,14 +271,14 @@ class SpeculativeDecoder:
                 return False
         return True
 
-    def _propose(self, drafting: list, on_device: bool):
+    def _propose(self, drafting: list, on_device: bool, uploads=None):
         """Drafts into every drafting row's record; when the proposer will choose them on the device, its chain is
-        staged and this returns the call that launches it (-> the [k, rows] device drafts); the records then hold
-        k placeholders, replaced once the round reads the device."""
+        staged (its inputs join `uploads`, unsent) and this returns the call that launches it (-> the [k, rows]
+        device drafts); the records then hold k placeholders, replaced once the round reads the device."""
         stage_device = getattr(self.proposer, "stage_device", None)
         launch_device = getattr(self.proposer, "launch_device", None)
         if on_device and stage_device is not None and launch_device is not None:
-            staged = stage_device(drafting)
+            staged = stage_device(drafting, uploads)
             if staged is not None:
                 for _, st, k in drafting:
                     assert st.round is not None  # opened for every row
@@ -291,14 +301,23 @@ class SpeculativeDecoder:
         return None
 
     def _verify_accept_device(self, work: list[DecodeWork], batch: list, t: float, chain,
-                              drafting: list) -> dict[int, RowResult]:
-        """The verify is staged, then the staged draft chain (chain) and the verify over its drafts are launched
-        without a wait, then the target's argmax of every row (and the logprobs rows ask for) on the device; the
-        ids are the round's one read of the device, the drafts come with it (the chain's and the verify's kernels
-        finish inside it: accept_s)."""
+                              drafting: list, uploads) -> dict[int, RowResult]:
+        """The verify is staged, its inputs and the draft chain's sent in one copy, then the staged draft chain
+        (chain) and the verify over its drafts are launched without a wait, then the target's argmax of every row
+        (and the logprobs rows ask for) on the device; the ids are the round's one read of the device, the drafts
+        come with it (the chain's and the verify's kernels finish inside it: accept_s)."""
         c = self.counters
-        staged = self.runner.stage_verify(batch, **self.hidden_kw)
+        try:
+            staged = self.runner.stage_verify(batch, uploads=uploads, **self.hidden_kw)
+            uploads.send()
+        except BaseException:
+            uploads.discard()
+            raise
         drafts = None
+        if self._read_at is not None:  # the device idled from the last round's read to this first launch
+            c.gap_s += time.perf_counter() - self._read_at
+            c.gaps += 1
+            self._read_at = None
         if chain is not None:  # (chain row, index of its first draft among the verify's tokens: after its feed)
             drafts = chain()
             where = []
@@ -315,6 +334,7 @@ class SpeculativeDecoder:
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
         target = out[0].numpy()
+        self._read_at = time.perf_counter()
         if drafts is not None:
             cols = drafts.numpy()
             for r, (req, _, _) in enumerate(drafting):

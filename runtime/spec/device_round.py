@@ -60,8 +60,12 @@ class DeviceArgmax:
                 words[w] = (1 << b) - 1
             self._mask = self.tvm.runtime.tensor(np.tile(words.view(np.int32), (rows, 1)), self.dev)
             self._limit = limit
+            self._mask_views: dict = {}  # rows -> view of the mask's first rows
             self._tables.clear()  # the flags carry F_MASK or not
-        return self._mask._create_view((n, self.words), "int32", 0)
+        view = self._mask_views.get(n)
+        if view is None:
+            view = self._mask_views[n] = self._mask._create_view((n, self.words), "int32", 0)
+        return view
 
     def _params(self, n: int, logprobs: tuple):
         key = (n, logprobs)

@@ -94,12 +94,13 @@ class DrafterRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
     def _ints(self, name: str, values) -> object:
+        """A device view of int32 values, joining the call's uploads (self.inputs.uploads: sent before the call)."""
         a = np.asarray(values, np.int32).reshape(-1)
         buf = self._bufs.get(name)
         if buf is None or buf.capacity < a.size:
             buf = self._bufs[name] = _Buffer(self.tvm, self.dev, max(a.size, 2 * (buf.capacity if buf else 0), 64))
         buf.host[: a.size] = a
-        return buf.upload((a.size,))
+        return buf.upload((a.size,), self.inputs.uploads)
 
     def codebooks(self) -> tuple[np.ndarray, np.ndarray]:
         """DFlash2: the selector's (predecessor, successor) codebooks on the host, [V, rank]."""
@@ -129,10 +130,12 @@ class DrafterRunner:
         if bound and sum(counts) > int(bound):
             raise ValueError(f"drafter context of {sum(counts)} rows exceeds the drafter's max_prefill_chunk {bound}")
         taps = self.stage.gather(parts)
-        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts)
+        uploads = self.inputs.uploads  # every input of the call in one host->device copy
+        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts, uploads=uploads)
         keep = [s + n - self.cfg.ring_size for s, n in zip(starts, counts)]
-        self.vm["ctx"](taps, args[1], args[2], args[4], self._ints("lanes", lanes), self._ints("keep", keep),
-                       *self.pools, self.params)
+        lanes_v, keep_v = self._ints("lanes", lanes), self._ints("keep", keep)
+        uploads.send()
+        self.vm["ctx"](taps, args[1], args[2], args[4], lanes_v, keep_v, *self.pools, self.params)
 
     def draft(self, items: Sequence[tuple], on_device: bool = False) -> tuple[Any, Optional[np.ndarray]]:
         """One block per item (target seq, lane, start, anchor token, ring_lo, k): [anchor, MASK x (B-1)] at
@@ -153,11 +156,14 @@ class DrafterRunner:
             rows.extend(i * B + 1 + j for j in range(k))
             attn_pos.extend([start + B - 1] * B)
             kv_rows.extend([i * B + B - 1] * B)
-        args, _, rows_view = self.inputs.ragged(seqs, tokens, np.asarray(rows, np.int32), starts=starts)
-        out = self.vm["draft"](args[0], args[1], self._ints("attn_pos", attn_pos), self._ints("kv_rows", kv_rows),
-                               args[2], args[4], self._ints("lanes", [it[1] for it in items]),
-                               self._ints("ring_lo", [it[4] for it in items]), rows_view, self.embed, self.lm_head,
-                               *self.pools, self.params)
+        uploads = self.inputs.uploads  # every input of the call in one host->device copy
+        args, _, rows_view = self.inputs.ragged(seqs, tokens, np.asarray(rows, np.int32), starts=starts,
+                                                uploads=uploads)
+        ints = [self._ints("attn_pos", attn_pos), self._ints("kv_rows", kv_rows),
+                self._ints("lanes", [it[1] for it in items]), self._ints("ring_lo", [it[4] for it in items])]
+        uploads.send()
+        out = self.vm["draft"](args[0], args[1], ints[0], ints[1], args[2], args[4], ints[2], ints[3], rows_view,
+                               self.embed, self.lm_head, *self.pools, self.params)
         sel = out[1].numpy() if self.cfg.kind == "dflash2" else None
         return (out[0] if on_device else out[0].numpy()), sel
 

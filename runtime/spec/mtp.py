@@ -36,6 +36,13 @@ def load_shortlist(spec: str, vocab_size: int, always: list[int]) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def _next_tokens(req, st: SpecState) -> list[int]:
+    """The token after each pending MTP row (the head pairs h_i with token i + 1), read out of the request's
+    history without copying all of it (a long context is thousands of tokens a round)."""
+    assert st.mtp_hidden is not None  # can_draft checked it
+    return req.tokens_between(st.mtp_pos + 1, st.mtp_pos + 1 + len(st.mtp_hidden))
+
+
 def pending_position(req, st: SpecState) -> int:
     """Position of the pending (committed, not yet fed) token: after the state and the unfed tokens."""
     return req.seq.length + len(st.unfed or ())
@@ -90,10 +97,9 @@ class MTPProposer:
 
     def propose(self, items, choose: Choose) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in items]
-        known = [req.all_tokens() for req, _, _ in items]
         logits, hid = self.runner.mtp_prefill(
-            [(req.seq, st.mtp_hidden, kn[st.mtp_pos + 1: st.mtp_pos + 1 + len(st.mtp_hidden)], st.mtp_pos)
-             for (req, st, _), kn in zip(items, known)], shortlist=self.shortlist)
+            [(req.seq, st.mtp_hidden, _next_tokens(req, st), st.mtp_pos) for req, st, _ in items],
+            shortlist=self.shortlist)
         logits = self._dense(logits)
         for i, (req, st, _) in enumerate(items):
             st.mtp_pos, st.mtp_hidden = pending_position(req, st), None
@@ -114,17 +120,16 @@ class MTPProposer:
                 drafts[i].append(choose(items[i][0], logits[r], j))
         return drafts
 
-    def stage_device(self, items):
+    def stage_device(self, items, uploads=None):
         """propose() for plainly greedy rows with the chain on the device, part one: stage it (runner.
-        stage_draft_chain; launch_device runs it). None when the chain cannot run there (a shortlisted head, or
-        rows with different draft counts): propose() then."""
+        stage_draft_chain; launch_device runs it), its inputs joining `uploads` (an executor UploadBatch the
+        caller sends before the launch; default: sent now). None when the chain cannot run there (a shortlisted
+        head, or rows with different draft counts): propose() then."""
         ks = {k for _, _, k in items}
         if self.shortlist is not None or len(ks) != 1:
             return None
-        known = [req.all_tokens() for req, _, _ in items]
         staged = self.runner.stage_draft_chain(
-            [(req.seq, st.mtp_hidden, kn[st.mtp_pos + 1: st.mtp_pos + 1 + len(st.mtp_hidden)], st.mtp_pos)
-             for (req, st, _), kn in zip(items, known)], ks.pop())
+            [(req.seq, st.mtp_hidden, _next_tokens(req, st), st.mtp_pos) for req, st, _ in items], ks.pop(), uploads)
         for req, st, _ in items:
             st.mtp_pos, st.mtp_hidden = pending_position(req, st), None
         return staged
