@@ -190,6 +190,10 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
             row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs",
                                                        "replay_graphs")
                              if (g := getattr(runner, n, None)) is not None}
+            dr = getattr(getattr(getattr(eng, "spec", None), "proposer", None), "dr", None)  # a DFlash drafter's
+            for n in ("ctx_graphs", "draft_graphs"):
+                if (g := getattr(dr, n, None)) is not None:
+                    row["graphs"]["drafter_" + n] = dict(g.stats)
             if refeed is not None:
                 pass  # another round structure: forced rows keep other tokens
             elif sampling == "auto":

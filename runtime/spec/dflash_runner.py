@@ -7,6 +7,12 @@ The drafter library has its own weights only; `draft` gets the target's embeddin
   ring layers    a ring of window + block positions per lane (one lane per drafting request).
 The runner allocates no pages: the caller hands it target sequences whose pages cover every position
 it writes (the block: start .. start + B - 1).
+
+On CUDA, when the target replays graphs, `draft` and the round-sized `ctx` calls (<= GRAPH_CTX_ROWS rows) replay
+CUDA graphs too (executor/cuda_graph.py; key: input shapes, page tables in width buckets): launched eagerly, each
+five-layer forward costs milliseconds of host time with the device idle, in every speculative round. The graphs'
+inputs are fixed-address views: the ragged StepInputs, int buffers sized once, and a fixed stage the ctx call's tap
+rows are copied into (a verify's output rows live in that verify graph's buffer, which differs between shapes).
 """
 from __future__ import annotations
 
@@ -17,12 +23,14 @@ import numpy as np
 
 from ...contract.drafter import DrafterConfig
 from ...contract.manifest import Manifest, read_manifest
-from ..executor.device_rows import RowStage
+from ..executor.cuda_graph import GraphedFunction, page_width_bucket
+from ..executor.device_rows import DeviceRows, RowStage
 from ..executor.inputs import StepInputs, _Buffer
 from ..executor.weights import load_params, np_dtype
 from ..tvm_loader import load_vm
 
 PAGED_POOL = "dflash"  # the target runner's page_pools key
+GRAPH_CTX_ROWS = 128  # ctx calls up to this many rows (a round's verify rows) replay graphs; prefill-sized ones run eagerly
 
 
 def read_drafter_manifest(draft_dir: str | Path) -> Manifest:
@@ -74,7 +82,14 @@ class DrafterRunner:
         self.lanes = lanes
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, target.inputs.max_pages)
         self.stage = RowStage(self.tvm, self.dev)
+        # int inputs: sized once for the largest draft call (max_batch blocks), so graphs over them stay valid
+        self._int_rows = max(64, max_batch * self.block)
         self._bufs: dict[str, _Buffer] = {}
+        graphs = getattr(target, "decode_graphs", None) is not None  # (CUDA, graphs on)
+        self.ctx_graphs = GraphedFunction(self.tvm, self.dev, self.vm["ctx"]) if graphs else None
+        self.draft_graphs = GraphedFunction(self.tvm, self.dev, self.vm["draft"]) if graphs else None
+        self._ctx_stage = None  # [GRAPH_CTX_ROWS, taps x hidden] fixed rows for graphed ctx calls
+        self._generation = self.inputs.generation
 
     def _check_target(self, t) -> None:
         m, cfg = self.manifest, self.cfg
@@ -98,7 +113,9 @@ class DrafterRunner:
         a = np.asarray(values, np.int32).reshape(-1)
         buf = self._bufs.get(name)
         if buf is None or buf.capacity < a.size:
-            buf = self._bufs[name] = _Buffer(self.tvm, self.dev, max(a.size, 2 * (buf.capacity if buf else 0), 64))
+            buf = self._bufs[name] = _Buffer(self.tvm, self.dev, max(a.size, 2 * (buf.capacity if buf else 0),
+                                                                     self._int_rows))
+            self._reset_graphs()  # (a buffer that moved: graphs recorded over the old one are stale)
         buf.host[: a.size] = a
         return buf.upload((a.size,), self.inputs.uploads)
 
@@ -107,6 +124,32 @@ class DrafterRunner:
         names = [n for n, _, _ in self.manifest.params]
         return tuple(self.params[names.index(f"candidate_selector.{k}_codebook.weight")].numpy()
                      for k in ("predecessor", "successor"))
+
+    # ---- graphs ----------------------------------------------------------------------------
+    def _reset_graphs(self) -> None:
+        for g in (self.ctx_graphs, self.draft_graphs):
+            if g is not None:
+                g.reset()
+
+    def _fresh_graphs(self) -> None:
+        """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
+        if self.inputs.generation != self._generation:
+            self._reset_graphs()
+            self._generation = self.inputs.generation
+
+    def _staged_taps(self, parts) -> Any:
+        """The tap rows copied into the fixed ctx stage (graphed ctx calls read them there)."""
+        parts = [p for p in parts if len(p)]
+        n, w, dt = sum(len(p) for p in parts), parts[0].width, parts[0].dtype
+        st = self._ctx_stage
+        if st is None or int(st.shape[1]) != w or str(st.dtype) != dt:
+            st = self._ctx_stage = self.tvm.runtime.empty((GRAPH_CTX_ROWS, w), dt, self.dev)
+            self._reset_graphs()
+        off = 0
+        for p in parts:
+            p.view().copyto(DeviceRows(st, off, len(p)).view())
+            off += len(p)
+        return DeviceRows(st, 0, n).view()
 
     # ---- forward ---------------------------------------------------------------------------
     def ctx(self, items: Sequence[tuple]) -> None:
@@ -129,13 +172,21 @@ class DrafterRunner:
         bound = self.manifest.extras.get("max_prefill_chunk")  # ctx's planned storage (compile/memory_bounds.py)
         if bound and sum(counts) > int(bound):
             raise ValueError(f"drafter context of {sum(counts)} rows exceeds the drafter's max_prefill_chunk {bound}")
-        taps = self.stage.gather(parts)
+        graphed = self.ctx_graphs is not None and sum(counts) <= GRAPH_CTX_ROWS
+        taps = self._staged_taps(parts) if graphed else self.stage.gather(parts)
         uploads = self.inputs.uploads  # every input of the call in one host->device copy
-        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts, uploads=uploads)
+        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts, uploads=uploads,
+                                        width_of=page_width_bucket if graphed else None)
         keep = [s + n - self.cfg.ring_size for s, n in zip(starts, counts)]
         lanes_v, keep_v = self._ints("lanes", lanes), self._ints("keep", keep)
         uploads.send()
-        self.vm["ctx"](taps, args[1], args[2], args[4], lanes_v, keep_v, *self.pools, self.params)
+        inputs = [taps, args[1], args[2], args[4], lanes_v, keep_v]
+        if graphed:
+            assert self.ctx_graphs is not None
+            self._fresh_graphs()
+            self.ctx_graphs(inputs, [*self.pools, self.params], wait=False)
+        else:
+            self.vm["ctx"](*inputs, *self.pools, self.params)
 
     def draft(self, items: Sequence[tuple], on_device: bool = False) -> tuple[Any, Optional[np.ndarray]]:
         """One block per item (target seq, lane, start, anchor token, ring_lo, k): [anchor, MASK x (B-1)] at
@@ -157,13 +208,19 @@ class DrafterRunner:
             attn_pos.extend([start + B - 1] * B)
             kv_rows.extend([i * B + B - 1] * B)
         uploads = self.inputs.uploads  # every input of the call in one host->device copy
+        graphs = self.draft_graphs
         args, _, rows_view = self.inputs.ragged(seqs, tokens, np.asarray(rows, np.int32), starts=starts,
-                                                uploads=uploads)
+                                                uploads=uploads, width_of=page_width_bucket if graphs else None)
         ints = [self._ints("attn_pos", attn_pos), self._ints("kv_rows", kv_rows),
                 self._ints("lanes", [it[1] for it in items]), self._ints("ring_lo", [it[4] for it in items])]
         uploads.send()
-        out = self.vm["draft"](args[0], args[1], ints[0], ints[1], args[2], args[4], ints[2], ints[3], rows_view,
-                               self.embed, self.lm_head, *self.pools, self.params)
+        inputs = [args[0], args[1], ints[0], ints[1], args[2], args[4], ints[2], ints[3], rows_view]
+        persistent = [self.embed, self.lm_head, *self.pools, self.params]
+        if graphs is not None:  # (the outputs: the graph's, valid until its next replay of this shape)
+            self._fresh_graphs()
+            out = graphs(inputs, persistent, wait=False)
+        else:
+            out = self.vm["draft"](*inputs, *persistent)
         sel = out[1].numpy() if self.cfg.kind == "dflash2" else None
         return (out[0] if on_device else out[0].numpy()), sel
 
