@@ -88,8 +88,55 @@ def _engine(runner, kv, tok, cfg):
     return Engine(runner, kv, tok, cfg, []).start()
 
 
-def _measure(eng, prompts, gen: int) -> dict:
-    """Warm-up pass (first-call costs, CUDA graph captures at these page widths), then the measured pass."""
+def gpu_timeline(kernels: list[tuple[float, float, str]], window_us: float) -> dict:
+    """Where the device idles in the last window_us of a kernel timeline [(start us, end us, name)]: the busy
+    fraction (union of kernel intervals), and the idle gaps of >= 50 us summed by the kernels around them."""
+    ks = sorted(kernels)
+    if not ks:
+        return {}
+    end = max(e for _, e, _ in ks)
+    ks = [k for k in ks if k[1] > end - window_us]
+    busy, cur_s, cur_e, prev = 0.0, ks[0][0], ks[0][1], ks[0][2]
+    gaps: dict = {}
+    for st, en, name in ks[1:]:
+        if st > cur_e:
+            busy += cur_e - cur_s
+            if st - cur_e >= 50:
+                key = f"{prev[:48]} -> {name[:48]}"
+                g = gaps.setdefault(key, [0, 0.0])
+                g[0] += 1
+                g[1] += st - cur_e
+            cur_s, cur_e = st, en
+        else:
+            cur_e = max(cur_e, en)
+        if en >= cur_e:
+            prev = name
+    busy += cur_e - cur_s
+    span = end - ks[0][0]
+    top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:10]
+    return {"window_us": round(span, 1), "busy_us": round(busy, 1), "busy_fraction": round(busy / span, 4),
+            "kernels": len(ks), "idle_gaps": [{"between": k, "count": c, "us": round(t, 1)} for k, (c, t) in top]}
+
+
+def _profiled(run) -> list[tuple[float, float, str]]:
+    """run() under torch's CUPTI profiler: [(start us, end us, kernel name)] (TVM's kernels included)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start:
+            out.append((float(e.time_range.start), float(e.time_range.end), e.name))
+    return out
+
+
+def _measure(eng, prompts, gen: int, profile_window_ms: float = 0.0) -> dict:
+    """Warm-up pass (first-call costs, CUDA graph captures at these page widths), then the measured pass.
+    profile_window_ms: a third pass under the CUPTI profiler, its last window_ms summarised (gpu_timeline)."""
     from ninfer_mlc.runtime.engine import GenRequest
     from ninfer_mlc.runtime.sampling import SamplingParams
 
@@ -131,17 +178,23 @@ def _measure(eng, prompts, gen: int) -> dict:
 
         out["device_rounds"] = sp.device_rounds - before.device_rounds
         out["phase_ms_per_round"] = phase_ms(sp, rounds, before)
+    if profile_window_ms > 0:
+        try:
+            out["gpu_timeline"] = gpu_timeline(_profiled(once), profile_window_ms * 1e3)
+        except Exception as e:  # noqa: BLE001 - profiling is optional
+            out["gpu_timeline"] = {"error": repr(e)[:300]}
     return out
 
 
 def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches: list[int], deadline: float,
                device: str = "auto", log=print, save=lambda: None, host_check: bool = True,
-               refeed_max: Optional[int] = None) -> dict:
+               refeed_max: Optional[int] = None, profile_window_ms: float = 0.0) -> dict:
     """host_check: every speculative row is run again with its rounds on the host (device_sampling off: the
     host-side rounds, for comparison) and the two outputs compared (device_matches_host: forced rows keep the
     device-chosen drafts and the target's argmax, so any difference is a device-round bug).
     refeed_max: also run every speculative profile with this re-feed bound (EngineConfig.spec_refeed_max; rows
-    labelled "refeed N"): rounds that keep drafting after rejections, at the cost of longer verifies."""
+    labelled "refeed N"): rounds that keep drafting after rejections, at the cost of longer verifies.
+    profile_window_ms: batch-1 rows also get a CUPTI timeline of their last window (gpu_timeline)."""
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
 
@@ -182,7 +235,8 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
                 continue
             eng = _engine(runner, kv, tok, pc)
             try:
-                row = {"profile": label, "spec": spec, "draft_tokens": k, "batch": b, **_measure(eng, prompts[:b], gen)}
+                row = {"profile": label, "spec": spec, "draft_tokens": k, "batch": b, **_measure(eng, prompts[:b], gen,
+                                                                                             profile_window_ms if b == 1 else 0.0)}
             finally:
                 eng.stop()
             toks = row.pop("tokens")
@@ -232,3 +286,9 @@ def print_forced(res: dict) -> None:
         if r.get("phase_ms_per_round"):
             print("      ms/round by phase: " + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_round"].items())
                   + f"  (device rounds {r.get('device_rounds', 0)})")
+        tl = r.get("gpu_timeline") or {}
+        if tl.get("busy_fraction") is not None:
+            print(f"      GPU busy {100 * tl['busy_fraction']:.1f} % of the last {tl['window_us'] / 1e3:.0f} ms "
+                  f"({tl['kernels']} kernels); idle gaps >= 50 us:")
+            for g in tl["idle_gaps"][:8]:
+                print(f"        {g['us'] / 1e3:7.2f} ms in {g['count']:3d}  {g['between']}")

@@ -690,7 +690,7 @@ def cmd_run(a) -> int:
                 a.forced_ctx, a.forced_gen, [int(x) for x in a.forced_batches.split(",")],
                 t0 + (a.budget_s if a.skip_27b and a.skip_tiny else 0.5 * a.budget_s), device=a.device,
                 log=lambda *m: print(*m, flush=True), save=save, host_check=not a.forced_no_host,
-                refeed_max=a.forced_refeed_max)
+                refeed_max=a.forced_refeed_max, profile_window_ms=a.forced_profile_ms)
         except Exception as e:  # noqa: BLE001 - keep what the other parts measure
             import traceback
 
@@ -746,6 +746,8 @@ def main(argv=None) -> int:
     r.add_argument("--forced-batches", default="1,4")
     r.add_argument("--forced-no-host", action="store_true",
                    help="(c) skip the host-round rerun of each profile (A/B and device = host output check)")
+    r.add_argument("--forced-profile-ms", type=float, default=0.0,
+                   help="(c) batch-1 rows: a CUPTI timeline of the last MS of a third pass (GPU busy fraction, idle gaps)")
     r.add_argument("--forced-refeed-max", type=int, default=None,
                    help="(c) also run each speculative profile with this re-feed bound (--spec-refeed-max)")
     r.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
