@@ -114,8 +114,15 @@ def gpu_timeline(kernels: list[tuple[float, float, str]], window_us: float) -> d
     busy += cur_e - cur_s
     span = end - ks[0][0]
     top = sorted(gaps.items(), key=lambda kv: -kv[1][1])[:10]
+    by_name: dict = {}
+    for st, en, name in ks:
+        e = by_name.setdefault(name[:64], [0, 0.0])
+        e[0] += 1
+        e[1] += en - st
+    busiest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
     return {"window_us": round(span, 1), "busy_us": round(busy, 1), "busy_fraction": round(busy / span, 4),
-            "kernels": len(ks), "idle_gaps": [{"between": k, "count": c, "us": round(t, 1)} for k, (c, t) in top]}
+            "kernels": len(ks), "idle_gaps": [{"between": k, "count": c, "us": round(t, 1)} for k, (c, t) in top],
+            "top_kernels": [{"kernel": k, "count": c, "us": round(t, 1)} for k, (c, t) in busiest]}
 
 
 def _profiled(run) -> list[tuple[float, float, str]]:
@@ -292,3 +299,6 @@ def print_forced(res: dict) -> None:
                   f"({tl['kernels']} kernels); idle gaps >= 50 us:")
             for g in tl["idle_gaps"][:8]:
                 print(f"        {g['us'] / 1e3:7.2f} ms in {g['count']:3d}  {g['between']}")
+            print("      busiest kernels:")
+            for g in tl.get("top_kernels", [])[:12]:
+                print(f"        {g['us'] / 1e3:7.2f} ms in {g['count']:4d}  {g['kernel']}")
