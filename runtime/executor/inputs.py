@@ -10,6 +10,7 @@ needs more rows than they hold, and `generation` counts those moves so graphs ov
 """
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Optional, Protocol, Sequence, cast
 
@@ -284,7 +285,8 @@ class ChainInputs:
             self.p_positions.host[off:off + len(t)] = np.arange(p0, p0 + len(t), dtype=np.int32)
             self.p_seq.host[off:off + len(t)] = i
             off += len(t)
-        self.p_rows.host[: len(lens)] = np.cumsum(lens) - 1
+        self.p_rows.host[: len(lens)] = list(itertools.accumulate(lens))
+        self.p_rows.host[: len(lens)] -= 1  # each sequence's last row
         h = np.ascontiguousarray(hidden, np.float32)
         if self.p_hidden is None or int(self.p_hidden.shape[0]) < h.size:
             self.p_hidden = self.tvm.runtime.empty((max(h.size, 2 * (0 if self.p_hidden is None else
