@@ -19,6 +19,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
+from .host_copy import HostRead
 from .inputs import ChainInputs, SeqLike, StepInputs
 from .replay_inputs import ReplayInputs
 from .upload_batch import UploadBatch
@@ -95,6 +96,7 @@ class ModelRunner:
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
         self._views = ViewCache()  # state-slot views and the draft copies' views (a round reuses the same ones)
+        self.read_host = HostRead(self.tvm)  # a round's reads of ids and hidden rows (no Tensor.numpy() overhead)
         self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -488,10 +490,9 @@ class ModelRunner:
                                "`ninfer compile --tap-layers DRAFTER_DIR`)")
         return {"prefill_h": "prefill_t", "verify": "verify_t"}[name]
 
-    @staticmethod
-    def split_rows(hidden, cu, taps: bool) -> list:
+    def split_rows(self, hidden, cu, taps: bool) -> list:
         """Per-sequence rows of a [n, W] output: host arrays, or device row views for taps."""
-        rows = DeviceRows(hidden) if taps else hidden.numpy()
+        rows = DeviceRows(hidden) if taps else self.read_host(hidden)
         return [rows[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
 
     def _check_mtp(self, seqs, tops) -> None:

@@ -335,10 +335,10 @@ class SpeculativeDecoder:
         out = self.argmax.run(logits, lp_rows.tolist() if lp_rows is not None else None)
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
-        target = out[0].numpy()
+        target = self.runner.read_host(out[0])
         self._read_at = time.perf_counter()
         if drafts is not None:
-            cols = drafts.numpy()
+            cols = self.runner.read_host(drafts)
             for r, (req, _, _) in enumerate(drafting):
                 self._record(req).drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
