@@ -7,7 +7,9 @@ which is what this script measures and profiles: MTP k drafts, forced acceptance
 one request with a long prompt (per-step work that grows with the context shows up), the engine's step loop
 driven in this thread so cProfile sees it.
 
-  .venv/bin/python bench/spec_host_gap.py [--ctx 6000] [--gen 400] [--profile 25] [--json OUT]
+  .venv/bin/python bench/spec_host_gap.py [--ctx 6000] [--gen 400] [--breakdown] [--profile 25] [--json OUT]
+  GPU (same counters on the 27B forced-profile artifact, runtime-only TVM as bench/gpu_driver.sh sets it up):
+  python3 bench/spec_host_gap.py --device cuda --model .gpu/spec/q27b-taps --ctx 8192 --gen 200 --breakdown
 
 Prints: rounds, gap ms per round (mean, and p50 over the measured pass: the host is noisy), the round's phases, host ms per round
 outside the round's own calls (loop + schedule + commit: what the engine adds between two rounds), and with
@@ -121,6 +123,8 @@ def _gap_breakdown(eng) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="artifact (default: the embedded tiny model)")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda / auto for a GPU artifact (the per-call breakdown then "
+                   "shows host time plus any wait for the device inside a call)")
     p.add_argument("--ctx", type=int, default=6000, help="prompt tokens")
     p.add_argument("--gen", type=int, default=400, help="generated tokens per pass")
     p.add_argument("--k", type=int, default=3)
@@ -132,21 +136,23 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from ninfer_mlc.paths import default_model_dir
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
     from ninfer_mlc.runtime.stats import phase_ms
 
-    art = a.model or default_model_dir()
-    cfg = EngineConfig(max_concurrency=1, max_pending_requests=1, max_context=a.ctx + a.gen + 64, host_kv_mib=0,
+    if a.model is None:
+        from ninfer_mlc.paths import default_model_dir
+
+        a.model = str(default_model_dir())
+    cfg = EngineConfig(device=a.device, max_concurrency=1, max_pending_requests=1, max_context=a.ctx + a.gen + 64, host_kv_mib=0,
                        prefix_reuse=False, spec="mtp", draft_tokens=a.k,
                        forced_acceptance=a.forced or None)
-    eng = open_engine(art, cfg, start=False)
+    eng = open_engine(a.model, cfg, start=False)
     gap_samples = _record_gaps(eng)
     eng._running = True  # submit() accepts; the loop body runs in this thread (_drive)
     rng = np.random.default_rng(0)
     prompt = rng.integers(10, eng.runner.sample_vocab, a.ctx).tolist()
-    _drive(eng, prompt, 16)  # warm-up: first calls, buffer growth
+    _drive(eng, prompt, a.gen)  # warm-up pass: first calls, buffer growth, CUDA graph captures at these widths
     acc = _gap_breakdown(eng) if a.breakdown else None
     before, steps_before = eng._take_stats(), eng.timer.summary()
     del gap_samples[:]
