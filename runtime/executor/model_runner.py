@@ -19,6 +19,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
+from .host_copy import HostRead
 from .inputs import ChainInputs, SeqLike, StepInputs
 from .replay_inputs import ReplayInputs
 from .upload_batch import UploadBatch
@@ -95,6 +96,7 @@ class ModelRunner:
         self._graph_generation = 0
         self.num_pages = self.num_slots = 0
         self._views = ViewCache()  # state-slot views and the draft copies' views (a round reuses the same ones)
+        self.read_host = HostRead(self.tvm)  # a round's reads of ids and hidden rows (no Tensor.numpy() overhead)
         self.vision: Optional[VisionEncoder] = None  # runtime/vision/encoder.py VisionEncoder of an image-capable model (assemble.py)
 
     # ---- setup ---------------------------------------------------------------------------
@@ -285,8 +287,11 @@ class ModelRunner:
     def _check_tokens(self, chunks) -> None:
         """A token id outside the vocabulary would index past the embedding table on the device."""
         for t in chunks:
-            a = np.asarray(t)
-            if a.size and (a.min() < 0 or a.max() >= self.vocab_size):
+            if len(t) == 0:
+                continue
+            # a round's chunks are a few ids (Python's min/max beat numpy's there); prompts are long arrays
+            lo, hi = (min(t), max(t)) if len(t) <= 64 and isinstance(t, list) else (np.min(t), np.max(t))
+            if lo < 0 or hi >= self.vocab_size:
                 raise ValueError(f"token id out of range [0, {self.vocab_size})")
 
     def _check_room(self, seqs: Sequence[SeqLike], counts: Sequence[int]) -> None:
@@ -455,18 +460,19 @@ class ModelRunner:
         each sequence's slot holding the state before those rows. Queued on the device, not waited for."""
         if not self.has_gdn_replay:
             raise RuntimeError(f"{self.art_dir.name} lacks gdn_replay; recompile it with this version of `ninfer compile`")
-        items = [(s, int(first), int(n)) for s, first, n in items if n > 0]
-        if not items:
-            return
         total = int(gdn_rows[0].shape[1])
+        staged = []
         for s, first, n in items:
+            first, n = int(first), int(n)
+            if n <= 0:
+                continue
             if s.slot is None or first < 0 or first + n > total:
                 raise ValueError(f"replay rows {first}..{first + n} outside the verify's {total} rows (or no slot)")
+            staged.append((int(s.slot), first, n))
+        if not staged:
+            return
         assert self.replay_inputs is not None  # allocate() made the input buffers
-        rows = np.concatenate([np.arange(first, first + n, dtype=np.int32) for _, first, n in items])
-        cu = np.concatenate([[0], np.cumsum([n for _, _, n in items])]).astype(np.int32)
-        slots = np.array([s.slot for s, _, _ in items], np.int32)
-        args = self.replay_inputs.stage(gdn_rows, rows, cu, slots)
+        args = self.replay_inputs.stage(gdn_rows, staged)
         pools = [self.conv_pool, self.ssm_pool, self.params]
         if self.replay_graphs is None:
             self.vm["gdn_replay"](*args, *pools)
@@ -484,10 +490,9 @@ class ModelRunner:
                                "`ninfer compile --tap-layers DRAFTER_DIR`)")
         return {"prefill_h": "prefill_t", "verify": "verify_t"}[name]
 
-    @staticmethod
-    def split_rows(hidden, cu, taps: bool) -> list:
+    def split_rows(self, hidden, cu, taps: bool) -> list:
         """Per-sequence rows of a [n, W] output: host arrays, or device row views for taps."""
-        rows = DeviceRows(hidden) if taps else hidden.numpy()
+        rows = DeviceRows(hidden) if taps else self.read_host(hidden)
         return [rows[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
 
     def _check_mtp(self, seqs, tops) -> None:

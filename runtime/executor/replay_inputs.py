@@ -8,10 +8,12 @@ round). Buffers grow, never shrink; `generation` changes when one moved (graphs 
 """
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Sequence
 
 import numpy as np
 
+from .host_copy import HostCopy
 from .view_cache import ViewCache
 
 
@@ -21,31 +23,49 @@ class ReplayInputs:
         self.generation = 0
         self._bufs: dict[str, Any] = {}  # name -> flat device tensor
         self._views = ViewCache()
+        self._copy = HostCopy(tvm)
+        self._index = np.zeros(64, np.int32)  # host staging of the three index arrays (grown on demand)
 
     def _view(self, name: str, shape: tuple, dtype: str):
-        size = int(np.prod(shape))
-        held = int(self._bufs[name].shape[0]) if name in self._bufs else 0
+        size = math.prod(shape)
+        buf = self._bufs.get(name)
+        held = int(buf.shape[0]) if buf is not None else 0
         if held < size:
             self.generation += 1
-            self._bufs[name] = self.tvm.runtime.empty((max(size, 2 * held),), dtype, self.dev)
-        return self._views(self._bufs[name], tuple(int(x) for x in shape), dtype)
+            buf = self._bufs[name] = self.tvm.runtime.empty((max(size, 2 * held),), dtype, self.dev)
+        return self._views(buf, shape, dtype)
 
-    def stage(self, gdn_rows: tuple, rows: np.ndarray, cu: np.ndarray, slots: np.ndarray) -> list:
+    def stage(self, gdn_rows: tuple, items: Sequence[tuple[int, int, int]]) -> list:
         """[qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids] views holding this call's values (for given shapes, at
-        the same addresses on every call)."""
+        the same addresses on every call); items: (state slot, first verify row, row count) per sequence."""
         out = []
         for name, src in zip(("qkvz", "ba"), gdn_rows):
-            view = self._view(name, tuple(int(x) for x in src.shape), str(src.dtype))
+            view = self._view(name, tuple(src.shape), str(src.dtype))
             src.copyto(view)
             out.append(view)
-        # the three index arrays uploaded in one copy (a host->device copy waits for the device), then split on the
-        # device into buffers of their own (a kernel argument must start its allocation)
-        packed = np.concatenate([np.asarray(a, np.int32).ravel() for a in (rows, cu, slots)])
-        self._view("index", packed.shape, "int32").copyfrom(packed)
+        # the three index arrays (rows, cu_seqlens, slots) staged in one host array and uploaded in one copy (a
+        # host->device copy waits for the device), then split on the device into buffers of their own (a kernel
+        # argument must start its allocation)
+        n_rows = sum(n for _, _, n in items)
+        b = len(items)
+        size = n_rows + 2 * b + 1
+        if self._index.size < size:
+            self._index = np.zeros(2 * size, np.int32)
+        idx = self._index
+        at, total = 0, 0
+        cu = idx[n_rows: n_rows + b + 1]
+        cu[0] = 0
+        for i, (slot, first, n) in enumerate(items):
+            idx[at: at + n] = range(first, first + n)
+            at += n
+            total += n
+            cu[i + 1] = total
+            idx[n_rows + b + 1 + i] = slot
+        self._copy(self._view("index", (size,), "int32"), idx[:size], 4)
         at = 0
-        for name, a in (("rows", rows), ("cu", cu), ("slots", slots)):
-            view = self._view(name, (len(a),), "int32")
-            self._views(self._bufs["index"], (len(a),), "int32", 4 * at).copyto(view)
+        for name, n in (("rows", n_rows), ("cu", b + 1), ("slots", b)):
+            view = self._view(name, (n,), "int32")
+            self._views(self._bufs["index"], (n,), "int32", 4 * at).copyto(view)
             out.append(view)
-            at += len(a)
+            at += n
         return out

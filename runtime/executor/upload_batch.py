@@ -28,9 +28,11 @@ class UploadBatch:
         self.host = np.zeros(max(1, capacity), np.int32)
         self.staging: Any = None  # device int32 [capacity] tensor (grown with the host array)
         self._copy = HostCopy(tvm)
-        self._parts: list[tuple[Any, int, int]] = []  # (destination view, first element, element count)
+        self._parts: list[tuple[Any, int, tuple]] = []  # (destination view, first element, its (count, shape, dtype))
         self._used = 0
         self._views = ViewCache()
+        # id(destination) -> (destination, (element count, shape, dtype)): checked once, read without FFI calls after
+        self._meta: dict[int, tuple[Any, tuple]] = {}
         self.sends = 0  # host->device copies made (tests, benchmarks)
 
     @property
@@ -40,10 +42,11 @@ class UploadBatch:
 
     def add(self, dst, values: np.ndarray) -> None:
         """Stage values (4-byte elements, dst's element count) for the device view dst."""
-        values = np.ascontiguousarray(values)
-        if values.itemsize != 4 or str(dst.dtype) not in ("int32", "float32"):
+        values = np.asarray(values)
+        if values.itemsize != 4:
             raise ValueError(f"an upload batch carries 4-byte elements, got {values.dtype} for {dst.dtype}")
-        n = math.prod(int(x) for x in dst.shape)
+        meta = self._describe(dst)
+        n = meta[0]
         if values.size != n:
             raise ValueError(f"{values.size} values for a device view of {n} elements {list(dst.shape)}")
         if self._used + n > self.host.size:
@@ -51,8 +54,24 @@ class UploadBatch:
             grown[: self._used] = self.host[: self._used]
             self.host = grown
         self.host[self._used: self._used + n] = values.reshape(-1).view(np.int32)
-        self._parts.append((dst, self._used, n))
+        self._parts.append((dst, self._used, meta))
         self._used += n
+
+    def _describe(self, dst) -> tuple[int, tuple, str]:
+        """dst's (element count, shape, dtype), its dtype checked; destinations recur (the runner's fixed-address
+        views), so each is read through the FFI once."""
+        known = self._meta.get(id(dst))
+        if known is not None and known[0] is dst:
+            return known[1]
+        dtype = str(dst.dtype)
+        if dtype not in ("int32", "float32"):
+            raise ValueError(f"an upload batch carries 4-byte elements, got a {dtype} destination")
+        shape = tuple(int(x) for x in dst.shape)
+        meta = (math.prod(shape), shape, dtype)
+        if len(self._meta) >= 1024:
+            self._meta.clear()
+        self._meta[id(dst)] = (dst, meta)  # held: its id cannot be reused while cached
+        return meta
 
     def send(self) -> None:
         """One host->device copy of everything added, then a device copy into each destination (in the order
@@ -62,7 +81,7 @@ class UploadBatch:
         used, parts = self._used, self._parts
         self._parts, self._used = [], 0
         if len(parts) == 1:  # one input: straight into its buffer
-            dst, _, n = parts[0]
+            dst, _, (n, _, _) = parts[0]
             self._copy(dst, self.host[:n], 4)
             self.sends += 1
             return
@@ -70,8 +89,8 @@ class UploadBatch:
             self.staging = self.tvm.runtime.empty((self.host.size,), "int32", self.dev)
         self._copy(self._views(self.staging, (used,), "int32"), self.host[:used], 4)
         self.sends += 1
-        for dst, first, n in parts:
-            self._views(self.staging, tuple(dst.shape), str(dst.dtype), 4 * first).copyto(dst)
+        for dst, first, (_, shape, dtype) in parts:
+            self._views(self.staging, shape, dtype, 4 * first).copyto(dst)
 
     def discard(self) -> None:
         """Forget what was added and not sent (a failed step)."""

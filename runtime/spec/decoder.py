@@ -325,22 +325,24 @@ class SpeculativeDecoder:
                 rd = self._record(req)
                 where.append((r, rd.first_row + len(rd.refed) + 1))
         logits, cu, hid = self.runner.verify_device(staged, None if drafts is None else (drafts, where))
-        lp_rows = np.zeros(int(cu[-1]), bool)
-        for i, w in enumerate(work):
-            if _wants_logprobs(w.req):
-                lp_rows[cu[i] + len(self._record(w.req).refed): cu[i + 1]] = True
+        lp_rows = None  # per verify row, whether its logprobs are read (only built when a row asks)
+        if any(_wants_logprobs(w.req) for w in work):
+            lp_rows = np.zeros(int(cu[-1]), bool)
+            for i, w in enumerate(work):
+                if _wants_logprobs(w.req):
+                    lp_rows[cu[i] + len(self._record(w.req).refed): cu[i + 1]] = True
         assert self.argmax is not None  # _device_round checked it
-        out = self.argmax.run(logits, lp_rows.tolist() if lp_rows.any() else None)
+        out = self.argmax.run(logits, lp_rows.tolist() if lp_rows is not None else None)
         t, t0 = time.perf_counter(), t
         c.verify_s += t - t0
-        target = out[0].numpy()
+        target = self.runner.read_host(out[0])
         self._read_at = time.perf_counter()
         if drafts is not None:
-            cols = drafts.numpy()
+            cols = self.runner.read_host(drafts)
             for r, (req, _, _) in enumerate(drafting):
                 self._record(req).drafts = [int(x) for x in cols[:, r]]
         hidden = self.runner.split_rows(hid, cu, bool(self.hidden_kw))
-        lp_host = DeviceArgmax.read_logprobs(out) if lp_rows.any() else None
+        lp_host = DeviceArgmax.read_logprobs(out) if lp_rows is not None else None
         results = {}
         for i, (w, hd) in enumerate(zip(work, hidden)):
             req, st = w.req, self.state(w.req)
