@@ -235,7 +235,6 @@ class GraphedFunction:
                 return self._record(key, inputs, persistent)
             self._eager_only.add(key)
             self.stats["capture_failures"] += 1
-            self.last_error = repr(e)[:300]
             return None
         n = ctypes.c_size_t(0)
         self.drv.lib.cuGraphGetNodes(graph, None, ctypes.byref(n))

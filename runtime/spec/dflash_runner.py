@@ -9,8 +9,9 @@ The runner allocates no pages: the caller hands it target sequences whose pages 
 it writes (the block: start .. start + B - 1).
 
 On CUDA, when the target replays graphs, `draft` and the round-sized `ctx` calls (<= GRAPH_CTX_ROWS rows) replay
-CUDA graphs too (executor/cuda_graph.py; key: input shapes, page tables in width buckets): launched eagerly, each
-five-layer forward costs milliseconds of host time with the device idle, in every speculative round. The graphs'
+CUDA graphs too (executor/cuda_graph.py; key: input shapes, page tables in width buckets), so a round's drafter
+forwards cost the host one launch each instead of a VM call per kernel (drafts identical to eager calls,
+bench/dflash_gpu_check.py; the 27B DFlash2 round measured no shorter for it, BENCHMARKS.md run 8). The graphs'
 inputs are fixed-address views: the ragged StepInputs, int buffers sized once, and a fixed stage the ctx call's tap
 rows are copied into (a verify's output rows live in that verify graph's buffer, which differs between shapes).
 """
