@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,6 +64,19 @@ class GuardMiddleware:
         seen = _Answer(send)
         t0 = time.monotonic()
         counted = method == "POST" and path.startswith("/v1/")
+
+        def log_rejected() -> None:
+            if seen.logged or seen.status is None or seen.status < 400 or not path.startswith("/v1/"):
+                return
+            seen.logged = True
+            self.state.log.log_rejected(
+                request_id=headers.get("x-request-id", ""), model=cfg.model_id, method=method, path=path,
+                status=seen.status, error_type=seen.error_type, error=seen.error,
+                wall_ms=(time.monotonic() - t0) * 1000)
+
+        # a rejection is in the request log before its answer's last byte leaves (a client that reads the log
+        # once answered finds it); answers that never finish are logged below
+        seen.before_last_body = log_rejected
         if counted:
             self.state.enter()
         try:
@@ -92,11 +105,7 @@ class GuardMiddleware:
                 self.state.leave()
             if seen.status is not None:
                 self.state.http.record_response(seen.status, seen.error_type)
-                if seen.status >= 400 and path.startswith("/v1/"):
-                    self.state.log.log_rejected(
-                        request_id=headers.get("x-request-id", ""), model=cfg.model_id, method=method, path=path,
-                        status=seen.status, error_type=seen.error_type, error=seen.error,
-                        wall_ms=(time.monotonic() - t0) * 1000)
+                log_rejected()
 
 
 class _Answer:
@@ -108,14 +117,19 @@ class _Answer:
         self.error_type: Optional[str] = None
         self.error: Optional[str] = None
         self._json = False
+        self.logged = False
+        self.before_last_body: Optional[Callable[[], None]] = None
 
     async def __call__(self, msg) -> None:
         if msg["type"] == "http.response.start":
             self.status = int(msg["status"])
             ct = dict(msg.get("headers") or []).get(b"content-type", b"")
             self._json = self.status >= 400 and ct.startswith(b"application/json")
-        elif msg["type"] == "http.response.body" and self._json and self.error_type is None:
-            self._read_error(msg.get("body", b""))
+        elif msg["type"] == "http.response.body":
+            if self._json and self.error_type is None:
+                self._read_error(msg.get("body", b""))
+            if not msg.get("more_body", False) and self.before_last_body is not None:
+                self.before_last_body()
         await self._send(msg)
 
     def _read_error(self, body: bytes) -> None:
