@@ -33,8 +33,6 @@ WAIT_FUNC = "ninfer_grid_dependency_sync"
 MIN_ARCH = 90
 
 TRIGGERS = ("entry", "exit")
-
-
 TRIGGER_FUNC = "ninfer_grid_dependency_trigger"
 _DEVICE_FUNCS = f"""
 // compile/grid_dependency.py: wait for the preceding grid (programmatic dependent launch) / let the next launch now
@@ -66,6 +64,12 @@ def arch_supports(arch: str) -> bool:
     return m is not None and int(m.group(1)) >= MIN_ARCH
 
 
+def _kernel_bodies(code: str) -> list:
+    """[(definition match, end of its body's text)]: a kernel's body runs up to the next definition."""
+    defs = list(_KERNEL_DEF.finditer(code))
+    return list(zip(defs, [m.start() for m in defs[1:]] + [len(code)]))
+
+
 def inject(code: str, trigger: str = "exit", exit_kernels: tuple = ()) -> str:
     """The CUDA source with the wait as the first statement of every kernel definition. Raises if a __global__
     function is neither a declaration nor a definition this pass recognised (a kernel without the wait would race
@@ -75,18 +79,17 @@ def inject(code: str, trigger: str = "exit", exit_kernels: tuple = ()) -> str:
         raise GridDependencyError(f"grid_dependency trigger {trigger!r}: one of {TRIGGERS}")
     if "void " + WAIT_FUNC + "()" in code:
         raise GridDependencyError("CUDA source already carries the grid-dependency wait")
-    defs = list(_KERNEL_DEF.finditer(code))
-    if not defs:
+    bodies = _kernel_bodies(code)
+    if not bodies:
         return code
-    n_decl = len(_DECL.findall(code))
+    decls = list(_DECL.finditer(code))
     n_global = len(_ANY_KERNEL.findall(code))
-    if n_global != len(defs) + n_decl:
-        raise GridDependencyError(f"{n_global} __global__ functions, {len(defs)} definitions and {n_decl} "
+    if n_global != len(bodies) + len(decls):
+        raise GridDependencyError(f"{n_global} __global__ functions, {len(bodies)} definitions and {len(decls)} "
                                   "declarations recognised: refusing to build kernels that might not wait")
-    first = min(m.start() for m in list(defs) + list(_DECL.finditer(code)))
+    first = min(m.start() for m in [m for m, _ in bodies] + decls)
     out, at = [code[:first], _DEVICE_FUNCS], first
-    ends = [m.start() for m in defs[1:]] + [len(code)]
-    for m, end in zip(defs, ends):
+    for m, end in bodies:
         out.append(code[at:m.end()])
         if WAIT_FUNC + "()" not in code[m.end():end]:  # (a kernel that waits itself, later: left alone)
             out.append(f"\n  {WAIT_FUNC}();")
@@ -100,8 +103,7 @@ def inject(code: str, trigger: str = "exit", exit_kernels: tuple = ()) -> str:
 
 def count_waiting_kernels(code: str) -> int:
     """Kernel definitions that call the wait (first, or after their own pre-wait work): tests, build checks."""
-    defs = list(_KERNEL_DEF.finditer(code))
-    ends = [m.start() for m in defs[1:]] + [len(code)]
-    return sum(WAIT_FUNC + "();" in code[m.end():end] for m, end in zip(defs, ends))
+    return sum(WAIT_FUNC + "();" in code[m.end():end] for m, end in _kernel_bodies(code))
+
 
 __all__ = ["GridDependencyError", "MIN_ARCH", "TRIGGERS", "TRIGGER_FUNC", "WAIT_FUNC", "arch_supports", "count_waiting_kernels", "inject"]

@@ -17,6 +17,7 @@ import numpy as np
 
 from ...contract import sampler_abi as abi
 from ..device_sampler import supports_device_sampler
+from ..executor.view_cache import ViewCache
 from ..sampling import RowState, TokenLogprobs, needs_logit_edit
 
 
@@ -46,6 +47,7 @@ class DeviceArgmax:
             zeros((1, V), np.float32)
         self._limit = -1  # sample_vocab the mask was built for
         self._mask: Any = None
+        self._mask_views = ViewCache()  # views of the mask's first rows
         self._tables: dict = {}  # (rows, logprob row flags) -> device params table
 
     def _mask_rows(self, n: int):
@@ -60,12 +62,8 @@ class DeviceArgmax:
                 words[w] = (1 << b) - 1
             self._mask = self.tvm.runtime.tensor(np.tile(words.view(np.int32), (rows, 1)), self.dev)
             self._limit = limit
-            self._mask_views: dict = {}  # rows -> view of the mask's first rows
             self._tables.clear()  # the flags carry F_MASK or not
-        view = self._mask_views.get(n)
-        if view is None:
-            view = self._mask_views[n] = self._mask._create_view((n, self.words), "int32", 0)
-        return view
+        return self._mask_views(self._mask, (n, self.words), "int32")
 
     def _params(self, n: int, logprobs: tuple):
         key = (n, logprobs)

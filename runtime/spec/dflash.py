@@ -161,7 +161,7 @@ class DFlashProposer:
         logits, sel = self._draft(items, live, on_device=True)
         assert sel is not None  # a DFlash2 drafter returns the selector's hidden rows
         out = argmax.run(logits, [True] * int(logits.shape[0]))
-        top_ids, top_vals = out[3].numpy(), out[4].numpy()
+        top_ids, top_vals = self.runner.read_host(out[3]), self.runner.read_host(out[4])
         row = 0
         for i in live:
             _, st, k = items[i]

@@ -222,7 +222,7 @@ class DrafterRunner:
             out = graphs(inputs, persistent, wait=False)
         else:
             out = self.vm["draft"](*inputs, *persistent)
-        sel = out[1].numpy() if self.cfg.kind == "dflash2" else None
+        sel = self.target.read_host(out[1]) if self.cfg.kind == "dflash2" else None
         return (out[0] if on_device else out[0].numpy()), sel
 
 
