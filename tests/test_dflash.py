@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +118,36 @@ def test_drafter_matches_reference(arts, hf_target, kind):
         print(kind, start, err)
 
 
+def test_select_walk_is_the_host_walk(arts):
+    """The drafter's select_walk (DFlash2's greedy walk on the device) picks what CandidateSelector.walk_greedy
+    picks: blocks of k rows, candidates tied in value at the top-k boundary (lowest id first), empty slots."""
+    from ninfer_mlc.contract.sampler_abi import top_logprob_slots
+    from ninfer_mlc.runtime.spec.selector import CandidateSelector
+
+    art, _ = arts["dflash2"]
+    h = Harness(arts["target"], num_slots=2, kv_capacity_tokens=256)
+    dr = DrafterRunner(art, h.runner, lanes=2, max_batch=3)
+    assert dr.has_walk
+    cfg = DRAFTERS["dflash2"]["extra"]
+    sel = CandidateSelector(*dr.codebooks(), cfg["selector_top_k"])
+    b, k, S, V = 3, 5, top_logprob_slots(2048), 2048
+    rng = np.random.default_rng(3)
+    ids = np.stack([rng.choice(V, S, replace=False) for _ in range(b * k)]).astype(np.int32)
+    vals = rng.normal(size=(b * k, S)).astype(np.float32)
+    order = np.argsort(-vals, axis=1)
+    for r in range(b * k):  # the 4th and 5th best tie: the lower id is the candidate
+        vals[r, order[r, 4]] = vals[r, order[r, 3]]
+    ids[::4, -3:] = -1  # fewer allowed ids than slots
+    hidden = rng.normal(size=(b * k, cfg["selector_rank"])).astype(np.float32)
+    anchors = rng.integers(0, V, b).astype(np.int32)
+    t = lambda a: h.runner.tvm.runtime.tensor(a, h.runner.dev)  # noqa: E731
+    out = dr.run_walk(t(ids), t(vals), t(hidden), t(anchors)).numpy()
+    assert out.shape == (k, b)
+    for i in range(b):
+        rows = slice(i * k, (i + 1) * k)
+        assert out[:, i].tolist() == sel.walk_greedy(ids[rows], vals[rows], hidden[rows], int(anchors[i]))
+
+
 # ---- engine ------------------------------------------------------------------------------------
 from ninfer_mlc.runtime.assemble import open_engine  # noqa: E402
 from ninfer_mlc.runtime.config import EngineConfig  # noqa: E402
@@ -167,56 +198,89 @@ def test_greedy_identical(arts, baseline, case):
 
 
 def _spy_blocks(eng):
-    """Record every drafted block: (request id, start, anchor, logits of its rows)."""
+    """Record every drafted block: (request id, start, anchor, logits of its rows), whichever path drafted it
+    (the host walk, the device candidates, the whole proposal on the device)."""
     prop = eng.spec.proposer
-    blocks, owner = [], {}
-    propose, propose_greedy, draft = prop.propose, prop.propose_greedy, prop.dr.draft
+    blocks, owner, staged = [], {}, []
+    entries = {name: getattr(prop, name) for name in ("propose", "propose_greedy", "stage_device")}
+    stage_draft, run_draft = prop.dr.stage_draft, prop.dr.run_draft
 
-    def spy_propose(items, choose):
-        owner.update({id(req.seq): req.rid for req, _, _ in items})
-        return propose(items, choose)
+    def entry(fn):
+        def spy(items, *args):
+            owner.update({id(req.seq): req.rid for req, _, _ in items})
+            return fn(items, *args)
+        return spy
 
-    def spy_propose_greedy(items, argmax):
-        owner.update({id(req.seq): req.rid for req, _, _ in items})
-        return propose_greedy(items, argmax)
+    def spy_stage(items, uploads=None):
+        staged.append(list(items))
+        return stage_draft(items, uploads)
 
-    def spy_draft(items, on_device=False):
-        logits, sel = draft(items, on_device=on_device)
-        host = logits.numpy() if on_device else logits
-        row = 0
-        for seq, _, start, anchor, _, k in items:
+    def spy_run(inputs):
+        out = run_draft(inputs)
+        host, row = out[0].numpy(), 0
+        for seq, _, start, anchor, _, k in staged.pop(0):
             blocks.append((owner[id(seq)], start, anchor, host[row: row + k].copy()))
             row += k
-        return logits, sel
+        return out
 
-    prop.propose, prop.propose_greedy, prop.dr.draft = spy_propose, spy_propose_greedy, spy_draft
+    for name, fn in entries.items():
+        setattr(prop, name, entry(fn))
+    prop.dr.stage_draft, prop.dr.run_draft = spy_stage, spy_run
     return blocks
 
 
-def test_dflash2_device_candidates_draft_as_the_host_walk(arts, baseline):
-    """Greedy device rounds take DFlash2's candidates from the device sampler's top logprobs (propose_greedy):
-    every round drafts the same tokens as the host walk over [rows, vocab] logits (propose)."""
+@pytest.mark.parametrize("path", ["walk", "candidates"])
+def test_dflash2_device_drafts_match_the_host_walk(arts, baseline, path):
+    """Greedy device rounds draft DFlash2's blocks on the device: "walk" = the whole proposal there (stage_device /
+    launch_device: the drafter's select_walk over the device sampler's top logprobs, nothing read), "candidates" =
+    the top logprobs read and walked on the host (propose_greedy). Every round drafts what the host walk over
+    [rows, vocab] logits (propose) drafts, and the output is the output without speculation."""
     from ninfer_mlc.runtime.spec.dflash import DFlashProposer
 
     case = dict(spec="dflash2", k=5, concurrency=2, prefill_chunk=16)
+    stage_fn, launch_fn = DFlashProposer.stage_device, DFlashProposer.launch_device
     greedy_fn, host_fn = DFlashProposer.propose_greedy, DFlashProposer.propose
     seen: dict[str, list] = {"device": [], "host": []}
+    declined = lambda self, items, uploads: (self.before_round(), None)[1]  # noqa: E731 - flushes as it declines
 
     def record(kind, items, drafts):
-        seen[kind] += [(st.round.start, st.round.pending, d) for (_, st, _), d in zip(items, drafts)]
+        seen[kind] += [(st.round.start, st.round.pending, list(d)) for (_, st, _), d in zip(items, drafts)]
         return drafts
 
-    DFlashProposer.propose_greedy = lambda self, items, argmax: record("device", items, greedy_fn(self, items, argmax))
+    def stage(self, items, uploads):
+        staged = stage_fn(self, items, uploads)
+        return None if staged is None else (staged, items)
+
+    def launch(self, staged, argmax):
+        staged, items = staged
+        drafts = launch_fn(self, staged, argmax)
+        record("device", items, self.runner.read_host(drafts).T.tolist())
+        return drafts
+
     try:
-        outs, _, _ = generate(arts, PROMPTS, greedy(20), **case)
+        if path == "walk":
+            DFlashProposer.stage_device, DFlashProposer.launch_device = stage, launch
+        else:
+            DFlashProposer.stage_device = declined
+            DFlashProposer.propose_greedy = lambda self, items, argmax: record("device", items,
+                                                                               greedy_fn(self, items, argmax))
+        outs, _, stats = generate(arts, PROMPTS, greedy(20), **case)
+        DFlashProposer.stage_device, DFlashProposer.launch_device = declined, launch_fn
         DFlashProposer.propose_greedy = lambda self, items, argmax: None  # the host walk in every round
         DFlashProposer.propose = lambda self, items, choose: record("host", items, host_fn(self, items, choose))
         outs_h, _, _ = generate(arts, PROMPTS, greedy(20), **case)
     finally:
+        DFlashProposer.stage_device, DFlashProposer.launch_device = stage_fn, launch_fn
         DFlashProposer.propose_greedy, DFlashProposer.propose = greedy_fn, host_fn
     assert outs == baseline and outs_h == baseline
-    assert len(seen["device"]) > 5 and sorted(seen["device"]) == sorted(seen["host"])
-    assert any(len(d) == 5 for _, _, d in seen["device"])
+    assert stats.spec.device_rounds == stats.spec.rounds
+    assert len(seen["device"]) > 5 and any(len(d) == 5 for _, _, d in seen["device"])
+    if path == "walk":  # rounds whose rows draft different counts take another path: a subset of the host's
+        host = [repr(x) for x in seen["host"]]
+        missing = Counter(repr(x) for x in seen["device"]) - Counter(host)
+        assert not missing, f"device blocks the host walk did not draft: {list(missing)[:3]}"
+    else:
+        assert sorted(seen["device"]) == sorted(seen["host"])
 
 
 def _replayed_verify(eng):

@@ -41,7 +41,9 @@ from ..kernels.registry import kernel_set
 from ..kernels.rope import apply_rope
 from ..model import _NORM, MLP, Linear, RMSNorm, Weight, _gemv, _i32, decode_gemv_scope, prefill_gemm_scope
 from ...contract.drafter import DrafterConfig
+from ...contract.sampler_abi import top_logprob_slots
 from .kernels import paged_append, ring_append
+from .selector_walk import select_walk
 
 MASKED = -1.0e30
 
@@ -97,8 +99,8 @@ class DrafterLayer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """DFlash2's selector. Only hidden_projection runs on the device; the runtime walks the candidates
-    with the codebooks (runtime/spec/selector.py)."""
+    """DFlash2's selector: hidden_projection runs in `draft`; the walk over the candidates runs on the host
+    (runtime/spec/selector.py) or, for plainly greedy rounds, in `select_walk` (selector_walk.py)."""
 
     def __init__(self, cfg: DrafterConfig, dtype: str):
         self.hidden_projection = Linear(cfg.hidden_size, cfg.selector_rank, dtype)
@@ -134,6 +136,10 @@ class DFlashDrafter(nn.Module):
             self.paged_append = paged_append(hkv, dh, PAGE_SIZE, len(self.paged), dtype, gpu)
         if self.ring:
             self.ring_append = ring_append(hkv, dh, cfg.ring_size, len(self.ring), dtype, gpu)
+        if cfg.kind == "dflash2":
+            self.walk_slots = top_logprob_slots(cfg.vocab_size)  # the device sampler's top-logprob slots
+            self.walk_kernel = select_walk(cfg.selector_rank, cfg.selector_top_k, self.walk_slots, dtype, gpu) \
+                if cfg.selector_top_k <= self.walk_slots else None
 
     # ---- pieces ----------------------------------------------------------------------------
     def _kv(self, attn: DrafterAttention, x: nn.Tensor, positions: nn.Tensor):
@@ -281,6 +287,14 @@ class DFlashDrafter(nn.Module):
             out += (self.candidate_selector.hidden_projection(hr).astype("float32"),)
         return out + self._pools_out(pools)
 
+    def select_walk(self, top_ids, top_vals, hidden, anchors):
+        """DFlash2 greedy drafts [r] (step-major) from the candidates of draft's rows (selector_walk.py)."""
+        sel = self.candidate_selector
+        return op.tensor_ir_op(self.walk_kernel, "dflash_select_walk",
+                               [top_ids, top_vals, hidden, anchors, sel.predecessor_codebook.weight,
+                                sel.successor_codebook.weight],
+                               nn.Tensor.placeholder((top_ids.shape[0],), "int32"))
+
     # ---- export ------------------------------------------------------------------------------
     def pool_shapes(self) -> dict:
         """Per-entry shapes (leading dim left out): paged per page, ring per lane."""
@@ -302,6 +316,13 @@ class DFlashDrafter(nn.Module):
         seq = {"token_seq": nn.spec.Tensor(["n"], i32), "page_table": nn.spec.Tensor(["b", "p"], i32),
                "lanes": nn.spec.Tensor(["b"], i32)}
         table = nn.spec.Tensor([cfg.vocab_size, cfg.hidden_size], self.dtype)
+        walk = {}
+        if cfg.kind == "dflash2" and self.walk_kernel is not None:
+            S = self.walk_slots
+            walk = {"select_walk": {"top_ids": nn.spec.Tensor(["r", S], i32),
+                                    "top_vals": nn.spec.Tensor(["r", S], "float32"),
+                                    "hidden": nn.spec.Tensor(["r", cfg.selector_rank], "float32"),
+                                    "anchors": nn.spec.Tensor(["b"], i32), "$": mode}}
         return {
             "ctx": {"taps": nn.spec.Tensor(["n", cfg.num_taps * cfg.hidden_size], self.dtype),
                     "positions": nn.spec.Tensor(["n"], i32), **seq, "ring_keep": nn.spec.Tensor(["b"], i32),
@@ -310,4 +331,5 @@ class DFlashDrafter(nn.Module):
                       "attn_pos": nn.spec.Tensor(["n"], i32), "kv_rows": nn.spec.Tensor(["n"], i32), **seq,
                       "ring_lo": nn.spec.Tensor(["b"], i32), "logit_rows": nn.spec.Tensor(["r"], i32),
                       "embed": table, "lm_head": table, **pools, "$": mode},
+            **walk,
         }

@@ -123,16 +123,19 @@ class GraphedFunction:
     recorded call's outputs, now holding this step's results).
     """
 
-    def __init__(self, tvm, dev, func, max_graphs: int = 48, programmatic: bool = False):
+    def __init__(self, tvm, dev, func, max_graphs: int = 48, programmatic: bool = False, stream=None):
+        """stream: another GraphedFunction's stream, for functions launched back to back with nothing between them
+        (two blocking streams are ordered with the legacy stream, not with each other)."""
         import tvm_ffi
 
         self.tvm, self.dev, self.func, self.max_graphs = tvm, dev, func, max_graphs
         self._use_stream = tvm_ffi.use_raw_stream
         self.drv = _Driver()
         dev.sync()  # makes TVM's (runtime API) primary context current on this thread
-        s = ctypes.c_void_p()
-        self.drv.call("cuStreamCreate", ctypes.byref(s), 0)  # blocking: ordered with the legacy stream
-        self.stream = s
+        if stream is None:
+            stream = ctypes.c_void_p()
+            self.drv.call("cuStreamCreate", ctypes.byref(stream), 0)  # blocking: ordered with the legacy stream
+        self.stream = stream
         self._seen: set = set()
         self._eager_only: set = set()
         self._graphs: OrderedDict = OrderedDict()

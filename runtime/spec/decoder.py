@@ -200,7 +200,11 @@ class SpeculativeDecoder:
         t_round = time.perf_counter()
         self.flush_replays()  # (a round whose rows did not all settle)
         self._unsettled = {w.req.rid for w in work}
-        if self.before_round is not None:
+        on_device = self._device_round(work)
+        # a proposer that stages its device proposal writes its waiting context in the round's one upload
+        # (stage_device), or itself before it declines; without drafting rows, here
+        staged_context = on_device and hasattr(self.proposer, "stage_device")
+        if self.before_round is not None and not staged_context:
             self.before_round()
         for w in work:
             st = self.state(w.req)
@@ -217,8 +221,9 @@ class SpeculativeDecoder:
                                    start=seq.length + len(w.feed) - 1, snap=snap)
         t = time.perf_counter()
         c.snapshot_s += t - t_round
-        on_device = self._device_round(work)
         drafting = [(w.req, self.state(w.req), w.draft) for w in work if w.draft]
+        if self.before_round is not None and staged_context and not drafting:
+            self.before_round()
         # a device round's chain and verify inputs go up in one host->device copy (each copy waits for the device)
         uploads = self.runner.upload_batch() if on_device else None
         try:

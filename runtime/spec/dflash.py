@@ -133,6 +133,9 @@ class DFlashProposer:
     def _live(self, items) -> list[int]:
         """Indices of the items whose block fits the context and their sequence's pages."""
         self._flush([st.dflash for _, st, _ in items])
+        return self._fitting(items)
+
+    def _fitting(self, items) -> list[int]:
         limit = self.runner.manifest.max_context
         live = []
         for i, (req, st, _) in enumerate(items):
@@ -145,6 +148,39 @@ class DFlashProposer:
         return self.dr.draft([(items[i][0].seq, items[i][1].dflash.lane, items[i][1].round.start,
                                items[i][1].round.pending, items[i][1].dflash.ring_lo,
                                min(items[i][2], self.block - 1)) for i in live], on_device=on_device)
+
+    def stage_device(self, items, uploads):
+        """Plainly greedy rows with the whole proposal on the device, part one: the waiting context rows of every
+        lane (before_round's flush), the block forward and the walk's anchors join `uploads`, the round's batch
+        (the caller sends it with the verify's inputs, then launch_device). None where this does not apply (a
+        drafter without select_walk, rows with different draft counts, a block that does not fit, DFlash with
+        more than one row): the contexts are flushed now and the decoder proposes another way."""
+        ks = {min(k, self.block - 1) for _, _, k in items}
+        ok = len(ks) == 1 and (self.dr.has_walk if self.selector is not None else len(items) == 1)
+        if not ok or len(self._fitting(items)) != len(items):
+            self.before_round()
+            return None
+        k = ks.pop()
+        pending = [d for d in self.contexts.values() if d.pending]
+        ctx = self.dr.stage_ctx([(d.seq, d.lane, d.written, [r for _, r in d.pending]) for d in pending], uploads)
+        for d in pending:
+            d.written, d.pending = d.end, []
+        draft = self.dr.stage_draft([(req.seq, st.dflash.lane, st.round.start, st.round.pending, st.dflash.ring_lo, k)
+                                     for req, st, _ in items], uploads)
+        anchors = self.dr.stage_walk([st.round.pending for _, st, _ in items], uploads) if self.selector else None
+        return ctx, draft, anchors, k
+
+    def launch_device(self, staged, argmax):
+        """Part two: context, block forward, candidates (the device sampler's top logprobs) and the walk run back to
+        back with nothing read; returns the [k, rows] device drafts the verify consumes (DFlash: one row's argmax)."""
+        ctx, draft, anchors, k = staged
+        if ctx is not None:
+            self.dr.run_ctx(ctx)
+        out = self.dr.run_draft(draft)
+        if self.selector is None:
+            return self.dr.hold_drafts(argmax.run(out[0])[0], 1)
+        top = argmax.run(out[0], [True] * int(out[0].shape[0]))
+        return self.dr.run_walk(top[3], top[4], out[1], anchors)
 
     def propose_greedy(self, items, argmax) -> Optional[list[list[int]]]:
         """Drafts of plainly greedy rows (the decoder's device rounds) with DFlash2's candidates taken on the

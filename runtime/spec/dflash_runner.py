@@ -27,6 +27,8 @@ from ...contract.manifest import Manifest, read_manifest
 from ..executor.cuda_graph import GraphedFunction, page_width_bucket
 from ..executor.device_rows import DeviceRows, RowStage
 from ..executor.inputs import StepInputs, _Buffer
+from ..executor.upload_batch import UploadBatch
+from ..executor.view_cache import ViewCache
 from ..executor.weights import load_params, np_dtype
 from ..tvm_loader import load_vm
 
@@ -81,16 +83,25 @@ class DrafterRunner:
             self.ring_pool = self.tvm.runtime.tensor(np.zeros(shape, np_dtype(m.dtype)), self.dev)
             self.pools.append(self.ring_pool)
         self.lanes = lanes
+        # ctx and draft each have their own input buffers: a device round stages both (and the target's verify)
+        # before launching any of them, so no staged value may overwrite another's destination
         self.inputs = StepInputs(self.tvm, self.dev, max_batch, target.inputs.max_pages)
+        self.ctx_inputs = StepInputs(self.tvm, self.dev, max_batch, target.inputs.max_pages)
         self.stage = RowStage(self.tvm, self.dev)
         # int inputs: sized once for the largest draft call (max_batch blocks), so graphs over them stay valid
         self._int_rows = max(64, max_batch * self.block)
         self._bufs: dict[str, _Buffer] = {}
         graphs = getattr(target, "decode_graphs", None) is not None  # (CUDA, graphs on)
+        # one stream: a device round launches draft right after ctx, which must finish first
         self.ctx_graphs = GraphedFunction(self.tvm, self.dev, self.vm["ctx"]) if graphs else None
-        self.draft_graphs = GraphedFunction(self.tvm, self.dev, self.vm["draft"]) if graphs else None
+        self.draft_graphs = GraphedFunction(self.tvm, self.dev, self.vm["draft"], stream=self.ctx_graphs.stream) \
+            if self.ctx_graphs is not None else None
         self._ctx_stage = None  # [GRAPH_CTX_ROWS, taps x hidden] fixed rows for graphed ctx calls
-        self._generation = self.inputs.generation
+        self._drafts: Any = None  # device drafts of the last device round (hold_drafts)
+        self._draft_views = ViewCache()
+        self._generations = (self.inputs.generation, self.ctx_inputs.generation)
+        # DFlash2's greedy walk on the device (compile/dflash/selector_walk.py; older drafters lack it)
+        self.has_walk = cfg.kind == "dflash2" and bool(self.vm.module.implements_function("select_walk"))
 
     def _check_target(self, t) -> None:
         m, cfg = self.manifest, self.cfg
@@ -109,8 +120,8 @@ class DrafterRunner:
                              f"`ninfer compile --tap-layers {self.art_dir}`")
 
     # ---- inputs ---------------------------------------------------------------------------
-    def _ints(self, name: str, values) -> object:
-        """A device view of int32 values, joining the call's uploads (self.inputs.uploads: sent before the call)."""
+    def _ints(self, name: str, values, uploads) -> object:
+        """A device view of int32 values (a buffer per name), joining `uploads` (sent before the call)."""
         a = np.asarray(values, np.int32).reshape(-1)
         buf = self._bufs.get(name)
         if buf is None or buf.capacity < a.size:
@@ -118,7 +129,7 @@ class DrafterRunner:
                                                                      self._int_rows))
             self._reset_graphs()  # (a buffer that moved: graphs recorded over the old one are stale)
         buf.host[: a.size] = a
-        return buf.upload((a.size,), self.inputs.uploads)
+        return buf.upload((a.size,), uploads)
 
     def codebooks(self) -> tuple[np.ndarray, np.ndarray]:
         """DFlash2: the selector's (predecessor, successor) codebooks on the host, [V, rank]."""
@@ -134,9 +145,10 @@ class DrafterRunner:
 
     def _fresh_graphs(self) -> None:
         """Graphs over the ragged buffers are stale once those buffers moved (they grew)."""
-        if self.inputs.generation != self._generation:
+        now = (self.inputs.generation, self.ctx_inputs.generation)
+        if now != self._generations:
             self._reset_graphs()
-            self._generation = self.inputs.generation
+            self._generations = now
 
     def _staged_taps(self, parts) -> Any:
         """The tap rows copied into the fixed ctx stage (graphed ctx calls read them there)."""
@@ -153,9 +165,19 @@ class DrafterRunner:
         return DeviceRows(st, 0, n).view()
 
     # ---- forward ---------------------------------------------------------------------------
+    # Each call is staged (its inputs join an UploadBatch; default: its own, sent at once) and then launched, so a
+    # device round stages ctx, draft, walk and the target's verify, sends them in ONE host->device copy (each copy
+    # waits for the device) and launches them back to back (spec/dflash.py stage_device / launch_device).
     def ctx(self, items: Sequence[tuple]) -> None:
         """Write context K/V: items (target seq, lane, first position, [DeviceRows of tap rows, ...]); each
         item's rows cover consecutive positions from its first one."""
+        staged = self.stage_ctx(items)
+        if staged is not None:
+            self.run_ctx(staged)
+
+    def stage_ctx(self, items: Sequence[tuple], uploads: Optional[UploadBatch] = None) -> Optional[tuple]:
+        """ctx's inputs (None: no rows to write); the tap rows are copied into the graphs' fixed stage now (device
+        copies, ordered before anything launched later)."""
         seqs, lanes, starts, counts, parts = [], [], [], [], []
         for seq, lane, start, rows in items:
             n = sum(len(r) for r in rows)
@@ -169,19 +191,23 @@ class DrafterRunner:
             counts.append(n)
             parts.extend(rows)
         if not seqs:
-            return
+            return None
         bound = self.manifest.extras.get("max_prefill_chunk")  # ctx's planned storage (compile/memory_bounds.py)
         if bound and sum(counts) > int(bound):
             raise ValueError(f"drafter context of {sum(counts)} rows exceeds the drafter's max_prefill_chunk {bound}")
         graphed = self.ctx_graphs is not None and sum(counts) <= GRAPH_CTX_ROWS
         taps = self._staged_taps(parts) if graphed else self.stage.gather(parts)
-        uploads = self.inputs.uploads  # every input of the call in one host->device copy
-        args, _, _ = self.inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts, uploads=uploads,
-                                        width_of=page_width_bucket if graphed else None)
+        batch = self.ctx_inputs.uploads if uploads is None else uploads
+        args, _, _ = self.ctx_inputs.ragged(seqs, [np.zeros(n, np.int32) for n in counts], starts=starts,
+                                            uploads=batch, width_of=page_width_bucket if graphed else None)
         keep = [s + n - self.cfg.ring_size for s, n in zip(starts, counts)]
-        lanes_v, keep_v = self._ints("lanes", lanes), self._ints("keep", keep)
-        uploads.send()
-        inputs = [taps, args[1], args[2], args[4], lanes_v, keep_v]
+        lanes_v, keep_v = self._ints("ctx_lanes", lanes, batch), self._ints("ctx_keep", keep, batch)
+        if uploads is None:
+            batch.send()
+        return graphed, [taps, args[1], args[2], args[4], lanes_v, keep_v]
+
+    def run_ctx(self, staged: tuple) -> None:
+        graphed, inputs = staged
         if graphed:
             assert self.ctx_graphs is not None
             self._fresh_graphs()
@@ -194,6 +220,12 @@ class DrafterRunner:
         positions start..start+B-1. Returns logits of the first k mask rows of each block, in order
         ([sum k, V] fp32; on_device: the library's device tensor, not copied) and, for DFlash2, the selector's
         projected hidden of those rows."""
+        out = self.run_draft(self.stage_draft(items))
+        sel = self.target.read_host(out[1]) if self.cfg.kind == "dflash2" else None
+        return (out[0] if on_device else out[0].numpy()), sel
+
+    def stage_draft(self, items: Sequence[tuple], uploads: Optional[UploadBatch] = None) -> list:
+        """draft's inputs (run_draft launches it)."""
         B, mask = self.block, self.cfg.mask_token_id
         seqs, starts, tokens, attn_pos, kv_rows = [], [], [], [], []
         rows: list[int] = []
@@ -208,21 +240,40 @@ class DrafterRunner:
             rows.extend(i * B + 1 + j for j in range(k))
             attn_pos.extend([start + B - 1] * B)
             kv_rows.extend([i * B + B - 1] * B)
-        uploads = self.inputs.uploads  # every input of the call in one host->device copy
-        graphs = self.draft_graphs
+        batch = self.inputs.uploads if uploads is None else uploads
         args, _, rows_view = self.inputs.ragged(seqs, tokens, np.asarray(rows, np.int32), starts=starts,
-                                                uploads=uploads, width_of=page_width_bucket if graphs else None)
-        ints = [self._ints("attn_pos", attn_pos), self._ints("kv_rows", kv_rows),
-                self._ints("lanes", [it[1] for it in items]), self._ints("ring_lo", [it[4] for it in items])]
-        uploads.send()
-        inputs = [args[0], args[1], ints[0], ints[1], args[2], args[4], ints[2], ints[3], rows_view]
+                                                uploads=batch, width_of=page_width_bucket if self.draft_graphs is not None else None)
+        ints = [self._ints("attn_pos", attn_pos, batch), self._ints("kv_rows", kv_rows, batch),
+                self._ints("lanes", [it[1] for it in items], batch), self._ints("ring_lo", [it[4] for it in items], batch)]
+        if uploads is None:
+            batch.send()
+        return [args[0], args[1], ints[0], ints[1], args[2], args[4], ints[2], ints[3], rows_view]
+
+    def run_draft(self, inputs: list) -> Any:
+        """Launch a staged draft: the library's outputs (logits, [selector hidden], pools...) as device tensors (a
+        graph's: valid until its next replay of this shape)."""
         persistent = [self.embed, self.lm_head, *self.pools, self.params]
-        if graphs is not None:  # (the outputs: the graph's, valid until its next replay of this shape)
+        if self.draft_graphs is not None:
             self._fresh_graphs()
-            out = graphs(inputs, persistent, wait=False)
-        else:
-            out = self.vm["draft"](*inputs, *persistent)
-        sel = self.target.read_host(out[1]) if self.cfg.kind == "dflash2" else None
-        return (out[0] if on_device else out[0].numpy()), sel
+            return self.draft_graphs(inputs, persistent, wait=False)
+        return self.vm["draft"](*inputs, *persistent)
 
+    def stage_walk(self, anchors: Sequence[int], uploads: UploadBatch) -> Any:
+        """The walk's anchors (each block's last committed token), joining `uploads`."""
+        return self._ints("walk_anchors", anchors, uploads)
 
+    def run_walk(self, top_ids, top_vals, sel, anchors) -> Any:
+        """DFlash2's greedy walk on the device (has_walk): [k, b] int32 drafts, step-major, from the device
+        sampler's top logprobs of draft's rows (top_ids, top_vals) and its selector rows (sel)."""
+        out = self.vm["select_walk"](top_ids, top_vals, sel, anchors, self.params)
+        return self.hold_drafts(out, int(anchors.shape[0]))
+
+    def hold_drafts(self, drafts, b: int) -> Any:
+        """Device drafts [k * b] (a VM call's output) copied into a buffer of the runner's, as a [k, b] view. A VM
+        output's memory comes from the pool that graph replays also write their recorded scratch into (executor/
+        cuda_graph.py): the verify's replay may overwrite it before the round reads the drafts (seen on the H200)."""
+        n = int(drafts.shape[0])
+        if self._drafts is None or int(self._drafts.shape[0]) < n:
+            self._drafts = self.tvm.runtime.empty((max(n, self._int_rows),), "int32", self.dev)
+        drafts.copyto(self._draft_views(self._drafts, (n,), "int32"))
+        return self._draft_views(self._drafts, (n // b, b), "int32")
