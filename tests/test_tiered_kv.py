@@ -8,6 +8,7 @@ outputs are token-identical to a run with ample device memory (demote/restore is
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -252,6 +253,13 @@ def test_host_tier_moves_mtp_kv_pages():
     # one copy per part (main, MTP) for the run of 3 pages; the reversed restore is three runs of one
     assert pages == list(range(pages[0], pages[0] + 3)) and back == pages[::-1]
     assert host.stats["kv_d2h_copies"] == 2 and host.stats["kv_h2d_copies"] == 6
+    # the device's drain of queued work before a copy is counted apart from the copy
+    drain = host.copier.drain
+    host.copier.drain = lambda: (time.sleep(0.2), drain())
+    before = dict(host.stats)
+    host.free_pages(host.store_pages(back))
+    assert host.stats["kv_d2h_wait_seconds"] - before["kv_d2h_wait_seconds"] >= 0.2
+    assert host.stats["kv_d2h_seconds"] - before["kv_d2h_seconds"] < 0.2
 
 
 def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
