@@ -124,12 +124,11 @@ def torch_rates(nbytes: int):
         return None
     if not torch.cuda.is_available():
         return None
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    d = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    bufs = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(nbytes, dtype=torch.uint8, device="cuda")]
     reps = 20 if nbytes < (64 << 20) else 5
-    out = (nbytes / cuda_median_s(torch, lambda: d.copy_(h, non_blocking=True), reps=reps, warm=2),
-           nbytes / cuda_median_s(torch, lambda: h.copy_(d, non_blocking=True), reps=reps, warm=2))
-    del h, d
+    out = (nbytes / cuda_median_s(torch, lambda: bufs[1].copy_(bufs[0], non_blocking=True), reps=reps, warm=2),
+           nbytes / cuda_median_s(torch, lambda: bufs[0].copy_(bufs[1], non_blocking=True), reps=reps, warm=2))
+    bufs.clear()
     torch.cuda.empty_cache()
     return out
 
