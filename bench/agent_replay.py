@@ -19,7 +19,8 @@ when negative: the cache held more, e.g. another session's identical system prom
 the target it is held to = new tokens / prefill rate + 0.25 s (prefill rate: the median of the sessions' cold first turns, or
 --prefill-rate). Per round: /stats deltas of the host<->device transfers (restore = h2d, spill = d2h; KV
 pages + state slots), their GB/s from the engine's own copy timings, and that rate against the pinned
-host<->device copy bandwidth measured with torch in the same run (null without torch and a GPU).
+host<->device copy bandwidth measured with torch in the same run (null without torch and a GPU); beside
+them the seconds the device spent draining queued compute before the copies (not copy time).
 
 Prompt token counts are computed here with the model's chat template and tokenizer (one segment per
 template turn, cached) and checked against the server's usage.prompt_tokens.
@@ -265,6 +266,8 @@ def summary(turns: list[dict], rounds: list[dict], prefill_rate: Optional[float]
     within = [ttft(t) <= t["ttft_target_s"] for t in warm if t.get("ttft_target_s") is not None and t["ttft_s"]]
     tot = lambda k: sum(r["transfers"][k] for r in rounds)  # noqa: E731
     rb, rs, sb, ss = tot("restore_bytes"), tot("restore_seconds"), tot("spill_bytes"), tot("spill_seconds")
+    waits = {f"{k}_wait_seconds": round(sum(r["transfers"].get(f"{k}_wait_seconds", 0.0) for r in rounds), 6)
+             for k in ("restore", "spill")}
     return {"turns": len(turns), "errors": sum(1 for t in turns if t["error"]),
             "prompt_tokens_all_match": all(t["prompt_tokens_match"] for t in turns if t["error"] is None),
             "re_prefilled_tokens_cached_turns": {"total": sum(re), "max": max(re) if re else None,
@@ -278,6 +281,7 @@ def summary(turns: list[dict], rounds: list[dict], prefill_rate: Optional[float]
             "prefill_rate_tok_s": prefill_rate,
             "restore_bytes": rb, "restore_GBps": round(rb / rs / 1e9, 3) if rs > 0 and rb else None,
             "spill_bytes": sb, "spill_GBps": round(sb / ss / 1e9, 3) if ss > 0 and sb else None,
+            **waits,
             "preemptions": sum(r["preemptions"] for r in rounds),
             "restores_host": sum(r["pressure"].get("restores_host", 0) for r in rounds),
             "decode_tok_s": summarize([t["decode_tok_s"] for t in warm if t["decode_tok_s"]], nd=2)}
@@ -344,8 +348,8 @@ def run(a) -> dict:
             rt = doc["rounds"][-1]["transfers"]
             print(f"round {r}: prompts {[x['prompt_tokens_local'] for x in rows]}, TTFT "
                   f"{[x['ttft_s'] for x in rows]} s, re-prefilled {[x['re_prefilled_tokens'] for x in rows]}, "
-                  f"restore {rt['restore_bytes']} B ({rt['restore_GBps']} GB/s), spill {rt['spill_bytes']} B "
-                  f"({rt['spill_GBps']} GB/s)", flush=True)
+                  f"restore {rt['restore_bytes']} B ({rt['restore_GBps']} GB/s, drain {rt['restore_wait_seconds']} s), "
+                  f"spill {rt['spill_bytes']} B ({rt['spill_GBps']} GB/s, drain {rt['spill_wait_seconds']} s)", flush=True)
             if any(x["error"] for x in rows):
                 stopped_by = f"request error: {next(x['error'] for x in rows if x['error'])}"
                 break

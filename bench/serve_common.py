@@ -297,7 +297,8 @@ def stats_delta(before: dict, after: dict) -> dict:
 
 def transfer_rates(delta: dict) -> dict:
     """Bytes, seconds and GB/s of host<->device traffic in a stats delta: restore = h2d (KV pages +
-    state slots), spill = d2h. Seconds are the engine's own copy timings."""
+    state slots), spill = d2h. Seconds are the engine's own copy timings; the device draining the work
+    queued before each copy (an overlapped decode step) is apart, in {restore,spill}_wait_seconds."""
     kv, st = delta.get("kv_transfers") or {}, delta.get("state_transfers") or {}
     out = {}
     for name, d in (("restore", "h2d"), ("spill", "d2h")):
@@ -307,6 +308,8 @@ def transfer_rates(delta: dict) -> dict:
         out[f"{name}_kv_pages"] = int(kv.get(f"kv_{d}_pages", 0))
         out[f"{name}_state_slots"] = int(st.get(f"state_{d}_count", 0))
         out[f"{name}_seconds"] = round(s, 6)
+        out[f"{name}_wait_seconds"] = round(kv.get(f"kv_{d}_wait_seconds", 0.0) + st.get(f"state_{d}_wait_seconds", 0.0), 6)
+        out[f"{name}_kv_copies"] = int(kv.get(f"kv_{d}_copies", 0))
         out[f"{name}_GBps"] = round(b / s / 1e9, 3) if s > 0 and b > 0 else None
     return out
 

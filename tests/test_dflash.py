@@ -350,7 +350,7 @@ def _restore_session(arts, kv_tokens: int, stale: bool = False, spec: str = "dfl
     eng = open_engine(arts["target"], o, meminfo_reader=PLENTY)
     if stale:  # a host tier that moves only the target's pages (and the MTP head's)
         host = eng.kv.host
-        host._device_page = lambda p, f=host._device_page: f(p)[:2]
+        host._plan = lambda *a, f=host._plan: [c for c in f(*a) if host.parts[c.part].name in ("kv", "mtp")]
     blocks = _spy_blocks(eng) if spec != "none" else []
     prompt, other, extra = (_ids(n, seed=30 + n) for n in (150, 250, 30))
 

@@ -127,8 +127,10 @@ def test_agent_replay_against_server(server, tmp_path):
             assert tr[f"{k}_bytes"] >= 0 and tr[f"{k}_seconds"] >= 0
             assert (tr[f"{k}_GBps"] is None) == (tr[f"{k}_bytes"] == 0 or tr[f"{k}_seconds"] == 0)
             assert tr[f"{k}_vs_pinned"] is None  # no pinned rate measured
+            assert tr[f"{k}_wait_seconds"] >= 0 and (tr[f"{k}_kv_copies"] > 0) == (tr[f"{k}_kv_pages"] > 0)
     s = doc["summary"]
     assert s["errors"] == 0 and s["prompt_tokens_all_match"]
+    assert s["restore_wait_seconds"] >= 0 and s["spill_wait_seconds"] >= 0
     assert s["re_prefilled_tokens_cached_turns"]["total"] == 0 and s["prefill_rate_tok_s"] > 0
 
 

@@ -8,6 +8,7 @@ outputs are token-identical to a run with ample device memory (demote/restore is
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -249,6 +250,16 @@ def test_host_tier_moves_mtp_kv_pages():
     np.testing.assert_array_equal(np.stack([runner.mtp_page_view(p).numpy() for p in back]), mtp)
     assert host.stats["kv_d2h_bytes"] == 3 * runner.page_bytes
     assert host.stats["mtp_kv_d2h_bytes"] == host.stats["mtp_kv_h2d_bytes"] == 3 * host.mtp_page_bytes
+    # one copy per part (main, MTP) for the run of 3 pages; the reversed restore is three runs of one
+    assert pages == list(range(pages[0], pages[0] + 3)) and back == pages[::-1]
+    assert host.stats["kv_d2h_copies"] == 2 and host.stats["kv_h2d_copies"] == 6
+    # the device's drain of queued work before a copy is counted apart from the copy
+    drain = host.copier.drain
+    host.copier.drain = lambda: (time.sleep(0.2), drain())
+    before = dict(host.stats)
+    host.free_pages(host.store_pages(back))
+    assert host.stats["kv_d2h_wait_seconds"] - before["kv_d2h_wait_seconds"] >= 0.2
+    assert host.stats["kv_d2h_seconds"] - before["kv_d2h_seconds"] < 0.2
 
 
 def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
@@ -260,7 +271,8 @@ def _spec_restore_session(kv_tokens: int, stale_mtp: bool = False):
     opts.kv_capacity = kv_tokens
     eng = open_engine(ART, opts, meminfo_reader=PLENTY)
     if stale_mtp:  # what the host tier did before: main pages only
-        eng.kv.host.mtp = False
+        host = eng.kv.host
+        host._plan = lambda *a, f=host._plan: [c for c in f(*a) if host.parts[c.part].name == "kv"]
     rng = np.random.default_rng(3)
     prompt, other, extra = (rng.integers(0, 1900, n).tolist() for n in (150, 250, 20))
     drafts: list = []  # every draft the MTP head proposed, in order

@@ -9,7 +9,8 @@ Shape (schema "ninfer_mlc_stats", version 1), modelled on the incumbent's gzenz 
   counters    computed_prefill_tokens, committed_decode_tokens, decode/prefill rounds, preemptions,
               requests_{total,finished,cancelled,rejected_queue_full,queue_timeout}
   cache_reuse lookups, frontier_hits, checkpoint_hits, misses, reused_prompt_tokens, ... entries
-  kv_transfers / state_transfers   {kv|state}_{d2h|h2d|d2d}_{pages|count|bytes|seconds}
+  kv_transfers / state_transfers   {kv|state}_{d2h|h2d|d2d}_{pages|count|bytes|seconds}, the device
+              drain before a host copy apart ({kv|state}_{d2h|h2d}_wait_seconds), kv_{d2h|h2d}_copies
   pressure    device/host occupancy plus the planner's demote/evict/spill counters
   memory      device pool geometry, weights, the pinned host pool (capacity/free/largest free
               run/fragmentation), its growth counters and last veto
@@ -144,8 +145,10 @@ COUNTER_KEYS = ("computed_prefill_tokens", "committed_decode_tokens", "decode_ro
 CACHE_REUSE_KEYS = ("lookups", "frontier_hits", "checkpoint_hits", "misses", "reused_prompt_tokens",
                     "claim_conflicts", "session_shortlist_hits", "entries_added", "entries", "device_entries",
                     "host_entries", "checkpoints")
-KV_TRANSFER_KEYS = tuple(f"kv_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("pages", "bytes", "seconds"))
-STATE_TRANSFER_KEYS = tuple(f"state_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("count", "bytes", "seconds"))
+KV_TRANSFER_KEYS = tuple(f"kv_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("pages", "bytes", "seconds")) + \
+    tuple(f"kv_{d}_{u}" for d in ("d2h", "h2d") for u in ("wait_seconds", "copies"))
+STATE_TRANSFER_KEYS = tuple(f"state_{d}_{u}" for d in ("d2h", "h2d", "d2d") for u in ("count", "bytes", "seconds")) + \
+    tuple(f"state_{d}_wait_seconds" for d in ("d2h", "h2d"))
 SPEC_EXTRA_KEYS = ("draft_tokens_max", "rounds", "row_rounds", "emitted_tokens", "tokens_per_round", "verify_tokens",
                    "recompute_tokens", "rollbacks", "state_replays", "replayed_rows", "no_draft_rounds", "device_rounds")
 PRESSURE_PLANNER_KEYS = ("spill_pages", "partial_tail_cow_pages", "private_owners_demoted", "private_owners_evicted",

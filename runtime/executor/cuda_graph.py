@@ -39,6 +39,8 @@ import ctypes
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
+from .cuda_driver import CudaError, Driver
+
 
 _CAPTURE_RELAXED = 2  # CU_STREAM_CAPTURE_MODE_RELAXED: the VM's allocator may cudaMalloc
 _KDLCUDA = 2
@@ -47,10 +49,6 @@ _DEP_PROGRAMMATIC = 1  # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
 _PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC: when every block of the upstream grid has triggered
 WORKSPACE_BLOCKS = 3
 WORKSPACE_BYTES = 64 << 20
-
-
-class CudaError(RuntimeError):
-    pass
 
 
 class _EdgeData(ctypes.Structure):
@@ -64,13 +62,13 @@ def programmatic_edges(kinds: list, edges: list) -> list:
     return [(a, b) for a, b in edges if kinds[a] == _NODE_KERNEL and kinds[b] == _NODE_KERNEL]
 
 
-class _Driver:
-    """The handful of CUDA driver calls graphs need, through ctypes."""
+class _Driver(Driver):
+    """The handful of CUDA driver calls graphs need."""
 
     def __init__(self):
-        self.lib = ctypes.CDLL("libcuda.so.1")
         vp = ctypes.c_void_p
-        for name, args in {
+        ed = ctypes.POINTER(_EdgeData)
+        super().__init__({
             "cuStreamCreate": [ctypes.POINTER(vp), ctypes.c_uint],
             "cuStreamSynchronize": [vp],
             "cuStreamBeginCapture_v2": [vp, ctypes.c_int],
@@ -80,32 +78,13 @@ class _Driver:
             "cuGraphExecDestroy": [vp],
             "cuGraphDestroy": [vp],
             "cuGraphGetNodes": [vp, ctypes.POINTER(vp), ctypes.POINTER(ctypes.c_size_t)],
-            "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
-        }.items():
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-        self.has_edge_data = True
-        ed = ctypes.POINTER(_EdgeData)
-        for name, args in {
+        }, optional={
             "cuGraphGetEdges_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.POINTER(ctypes.c_size_t)],
             "cuGraphRemoveDependencies_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.c_size_t],
             "cuGraphAddDependencies_v2": [vp, ctypes.POINTER(vp), ctypes.POINTER(vp), ed, ctypes.c_size_t],
             "cuGraphNodeGetType": [vp, ctypes.POINTER(ctypes.c_int)],
-        }.items():
-            fn = getattr(self.lib, name, None)
-            if fn is None:
-                self.has_edge_data = False
-                continue
-            fn.argtypes, fn.restype = args, ctypes.c_int
-
-    def check(self, rc: int, what: str) -> None:
-        if rc:
-            msg = ctypes.c_char_p()
-            self.lib.cuGetErrorString(rc, ctypes.byref(msg))
-            raise CudaError(f"{what}: CUDA error {rc} ({(msg.value or b'?').decode()})")
-
-    def call(self, name: str, *args) -> None:
-        self.check(getattr(self.lib, name)(*args), name)
+        })
+        self.has_edge_data = not self.missing
 
 
 class _Entry:

@@ -46,7 +46,9 @@ class PageAllocator:
         return self._refs[page]
 
     def release(self, pages: list[int]) -> None:
-        for p in pages:
+        """Pushed last page first, so a later alloc hands a released run back in its order: a host-tier
+        restore into pages a spill just freed gets ascending ids, one copy per run (kv/copy_plan.py)."""
+        for p in reversed(pages):
             if self._refs[p] <= 0:
                 raise ValueError(f"double free of KV page {p}")
             self._refs[p] -= 1
