@@ -96,6 +96,20 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(shape, dtype)
 
 
+# True while a function whose sequences have few rows each (verify, verify_t, gdn_replay) is traced: GDN runs the
+# kernel set's short_delta_rule (row by row, the state in registers) instead of the chunked form where it has one
+_SHORT_ROWS: contextvars.ContextVar = contextvars.ContextVar("ninfer_short_rows", default=False)
+
+
+@contextlib.contextmanager
+def short_rows_scope():
+    token = _SHORT_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _SHORT_ROWS.reset(token)
+
+
 # weight format of the projections being built (None | "nvfp4"); set by Qwen3xForCausalLM
 _WEIGHT_QUANT: contextvars.ContextVar = contextvars.ContextVar("ninfer_weight_quant", default=None)
 # _GEMV (defined in kernels/dequant.py, shared with NVFP4Linear): the kernel set's gemv factory while a
@@ -301,6 +315,8 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel = kernels.causal_conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, n_gdn, dtype)
         self.chunk_kernel = kernels.chunked_delta_rule(hk, hv, dk, dv, n_gdn, act_dtype=dtype)
         self.step_kernel = kernels.recurrent_delta_rule(hk, hv, dk, dv, n_gdn)
+        short = getattr(kernels, "short_delta_rule", None)
+        self.short_kernel = short(hk, hv, dk, dv, n_gdn) if short else None
         fused = getattr(kernels, "gdn_decode", None)
         self.decode_kernel = fused(hk, hv, dk, dv, n_gdn, dtype, cfg.rms_norm_eps) if fused else None
         prep, gated = getattr(kernels, "gdn_prep", None), getattr(kernels, "gdn_gated_norm", None)
@@ -387,8 +403,9 @@ class GatedDeltaNet(nn.Module):
             [conv_pool, nn.Tensor.placeholder((n, hk, dk), "float32"), nn.Tensor.placeholder((n, hk, dk), "float32"),
              nn.Tensor.placeholder((n, hv, dv), "float32")],
         )
+        short = _SHORT_ROWS.get() and self.short_kernel is not None
         ssm_pool, o = op.tensor_ir_inplace_op(
-            self.chunk_kernel, "gdn_chunk",
+            self.short_kernel if short else self.chunk_kernel, "gdn_short" if short else "gdn_chunk",
             [q, k, v, g, beta, cu_seqlens, slot_ids, ssm_pool, _i32(self.slot)], [7, -1],
             [ssm_pool, nn.Tensor.placeholder((n, hv, dv), "float32")],
         )
@@ -612,10 +629,11 @@ class Qwen3xForCausalLM(nn.Module):
             return logits, hn.astype("float32"), kv_pool, conv_pool, ssm_pool
 
     def verify(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
-        """Ragged multi-token forward (chunked GDN) -> logits and post-norm hidden of every row, and every GDN
+        """Ragged multi-token forward -> logits and post-norm hidden of every row, and every GDN
         layer's projections of every row (gdn_replay's input: the accepted prefix's state without a re-feed).
-        Rows are batch x (draft tokens + 1), few: projections take the decode GEMV where there is one."""
-        with self._decode_gemv():
+        Rows are batch x (draft tokens + 1), few: projections take the decode GEMV where there is one, GDN the
+        row-by-row kernel (short_rows_scope)."""
+        with self._decode_gemv(), short_rows_scope():
             keep: list = []
             x = self.model.embed_tokens(tokens)
             x, kv_pool, conv_pool, ssm_pool = self._body(
@@ -635,7 +653,12 @@ class Qwen3xForCausalLM(nn.Module):
         """Advance the state slots over verify rows: the rows `rows` of a verify's kept projections (qkvz_rows,
         ba_rows: its outputs 2 and 3), sequence b owning rows[cu[b]:cu[b+1]], each starting from its slot.
         After a partly accepted round the runtime puts back the pre-verify state and replays the accepted
-        prefix: exactly the state that verify reached at that row, with no re-feed of the target."""
+        prefix: exactly the state that verify reached at that row, with no re-feed of the target (the same GDN
+        kernel as verify's: short_rows_scope)."""
+        with short_rows_scope():
+            return self._gdn_replay(qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids, conv_pool, ssm_pool)
+
+    def _gdn_replay(self, qkvz_rows, ba_rows, rows, cu_seqlens, slot_ids, conv_pool, ssm_pool):
         qkvz = op.take(qkvz_rows, rows, axis=1)
         ba = op.take(ba_rows, rows, axis=1)
         m = rows.shape[0]
@@ -662,7 +685,7 @@ class Qwen3xForCausalLM(nn.Module):
     def verify_t(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, kv_pool, conv_pool, ssm_pool):
         """verify with the tap layers' outputs of every row instead of the final hidden state (and the kept GDN
         projections, as verify's)."""
-        with self._decode_gemv():
+        with self._decode_gemv(), short_rows_scope():
             taps: list = []
             keep: list = []
             x = self.model.embed_tokens(tokens)

@@ -33,3 +33,14 @@ def test_mma_dk128_on_cpu_emulator():
     (row,) = run_emulation([dict(geo=(2, 6, 128, 128), lens=[70, 0, 33, 1, 64], decay="mixed", kw={})],
                            log=lambda *_: None)
     assert row["layout"]["mma"] and row["ok"], row
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_short_rows_kernel_on_cpu_emulator():
+    """The row-by-row kernel verify / gdn_replay take on CUDA (short_delta_rule): ragged short sequences (empty, one
+    row, eight), the tiny and the 27B head geometry, against the llvm chunked kernel at fp32 level; other slots
+    untouched."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gdn import run_short_emulation
+
+    rows = run_short_emulation(log=lambda *_: None)
+    assert len(rows) == 2 and all(r["ok"] for r in rows), rows

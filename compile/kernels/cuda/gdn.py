@@ -211,6 +211,67 @@ def recurrent_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
     return gdn_step
 
 
+def short_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
+    """gdn_chunk's contract for calls whose sequences have few rows (a speculative verify, its replay): the
+    recurrent step of gdn_step applied row after row. Block per (sequence, value head), thread per value column
+    d; the state column stays in registers from the sequence's first row to its last (one read, one write), q and k
+    of each row in shared memory. A row costs ~2 dk FMAs per thread against the chunked form's two launches and
+    ~20 us per layer at 8 rows on the H200; its cost grows with the row count, so prefill keeps the chunked form."""
+    r = hv // hk
+    NT = dv
+    NE = (dk + NT - 1) // NT
+
+    @T.prim_func
+    def gdn_short(
+        var_q: T.handle, var_k: T.handle, var_v: T.handle, var_g: T.handle, var_beta: T.handle, var_cu: T.handle,
+        var_slot: T.handle, var_ssm: T.handle, layer: T.int32, var_o: T.handle,
+    ):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        b = T.int64()
+        s = T.int64()
+        q = T.match_buffer(var_q, (n, hk, dk), "float32")
+        k = T.match_buffer(var_k, (n, hk, dk), "float32")
+        v = T.match_buffer(var_v, (n, hv, dv), "float32")
+        g = T.match_buffer(var_g, (n, hv), "float32")
+        beta = T.match_buffer(var_beta, (n, hv), "float32")
+        cu = T.match_buffer(var_cu, (b + 1,), "int32")
+        slot = T.match_buffer(var_slot, (b,), "int32")
+        ssm = T.match_buffer(var_ssm, (s, n_layers, hv, dk, dv), "float32")
+        o = T.match_buffer(var_o, (n, hv, dv), "float32")
+        for bi in T.thread_binding(b, thread="blockIdx.x"):
+            for h in T.thread_binding(hv, thread="blockIdx.y"):
+                for d in T.thread_binding(NT, thread="threadIdx.x"):
+                    ks = T.alloc_buffer((dk,), "float32", scope="shared")
+                    qs = T.alloc_buffer((dk,), "float32", scope="shared")
+                    col = T.alloc_buffer((dk,), "float32", scope="local")
+                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    dl = T.alloc_buffer((1,), "float32", scope="local")
+                    for e in T.unroll(dk):
+                        col[e] = ssm[slot[bi], layer, h, e, d]
+                    for t in T.serial(cu[bi + 1] - cu[bi]):
+                        for e0 in range(NE):
+                            if e0 * NT + d < dk:
+                                ks[e0 * NT + d] = k[cu[bi] + t, h // r, e0 * NT + d]
+                                qs[e0 * NT + d] = q[cu[bi] + t, h // r, e0 * NT + d]
+                        T.tvm_storage_sync("shared")
+                        acc[0] = T.float32(0)
+                        for e in T.unroll(dk):
+                            col[e] = col[e] * T.exp(g[cu[bi] + t, h])
+                            acc[0] = acc[0] + col[e] * ks[e]
+                        dl[0] = (v[cu[bi] + t, h, d] - acc[0]) * beta[cu[bi] + t, h]
+                        acc[0] = T.float32(0)
+                        for e in T.unroll(dk):
+                            col[e] = col[e] + ks[e] * dl[0]
+                            acc[0] = acc[0] + col[e] * qs[e]
+                        o[cu[bi] + t, h, d] = acc[0]
+                        T.tvm_storage_sync("shared")
+                    for e in T.unroll(dk):
+                        ssm[slot[bi], layer, h, e, d] = col[e]
+
+    return gdn_short
+
+
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 

@@ -132,6 +132,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
         chunked_delta_rule=chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
+        # short_delta_rule(hk, hv, dk, dv, n_layers) -> gdn_chunk's contract, row by row (verify / replay calls)
+        short_delta_rule=gdn.short_delta_rule,
         # gemv(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None (decode projections)
         gemv=partial(gemv_kernels.gemv, **p["gemv"]),
         # rms_norm(dim, dtype, eps) -> one-launch RMSNorm over the last axis (every function)

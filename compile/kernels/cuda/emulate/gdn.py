@@ -106,7 +106,7 @@ def llvm_outputs(fn, x: dict, ssm: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check(case: dict, lib, symbol: str, ref_fn, log) -> dict:
-    geo, kw = tuple(case["geo"]), dict(case["kw"])
+    geo, kw = tuple(case["geo"]), dict(case.get("kw", {}))
     hk, hv, dk, dv = geo
     x = inputs(geo, case["lens"], case["decay"], seed=7)
     ssm = state_init((len(case["lens"]) + 1, LAYERS, hv, dk, dv))
@@ -117,7 +117,8 @@ def _check(case: dict, lib, symbol: str, ref_fn, log) -> dict:
     lib(symbol, dict(x, ssm=got_s, o=o), dict(layer=LAYER))
     other = np.ones(ssm.shape[:2], bool)
     other[x["slot"], LAYER] = False
-    row = dict(geo=list(geo), lens=case["lens"], decay=case["decay"], kw=kw, layout=layout(dk, dv, kw),
+    row = dict(geo=list(geo), lens=case["lens"], decay=case["decay"], kw=kw,
+               layout=case.get("layout") or layout(dk, dv, kw),
                o_err=rel_err(o, ref_o), state_err=rel_err(got_s, ref_s),
                untouched_equal=bool(np.array_equal(got_s[other], ssm[other])), seconds=time.time() - t)
     tol = case.get("tol", 1e-5)
@@ -138,3 +139,23 @@ def run_emulation(cases=None, quick: bool = True, log=print) -> list[dict]:
                   for i, c in enumerate(cases)})
     refs = llvm_kernels(c["geo"] for c in cases)
     return [_check(c, lib, f"gdn_{i}", refs[tuple(c["geo"])], log) for i, c in enumerate(cases)]
+
+
+# short_delta_rule (verify / replay calls: few rows per sequence), against the llvm chunked kernel
+EMU_SHORT = [
+    dict(geo=(2, 6, 16, 8), lens=[5, 0, 1, 8, 3], decay="mixed"),
+    dict(geo=(1, 2, 128, 128), lens=[4, 1, 8], decay="strong"),
+]
+
+
+def run_short_emulation(cases=None, log=print) -> list[dict]:
+    """Each case's gdn_short (compile/kernels/cuda/gdn.py short_delta_rule) for cuda:sm_90 on the CPU emulator
+    against the llvm chunked kernel on the same inputs: errors of o and of the new state pool, ok."""
+    from .. import gdn
+    from .lib import EmuLib
+
+    cases = [dict(c, layout={"kernel": "short"}) for c in (cases if cases is not None else EMU_SHORT)]
+    lib = EmuLib({f"gdn_short_{i}": gdn.short_delta_rule(*c["geo"], LAYERS).with_attr("global_symbol", f"gdn_short_{i}")
+                  for i, c in enumerate(cases)})
+    refs = llvm_kernels(c["geo"] for c in cases)
+    return [_check(c, lib, f"gdn_short_{i}", refs[tuple(c["geo"])], log) for i, c in enumerate(cases)]
