@@ -215,11 +215,16 @@ def short_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
     """gdn_chunk's contract for calls whose sequences have few rows (a speculative verify, its replay): the
     recurrent step of gdn_step applied row after row. Block per (sequence, value head), thread per value column
     d; the state column stays in registers from the sequence's first row to its last (one read, one write), q and k
-    of each row in shared memory. A row costs ~2 dk FMAs per thread against the chunked form's two launches and
-    ~20 us per layer at 8 rows on the H200; its cost grows with the row count, so prefill keeps the chunked form."""
+    of each row in shared memory. A row costs ~2 dk FMAs per thread: 8-12 us per layer call at 4-8 rows on the H200
+    (BENCHMARKS.md run 9) against ~18 us for the chunked form's two launches; its cost grows with the row count, so
+    prefill keeps the chunked form.
+    The dot products run on ACC = 4 partial sums (a row is a chain of dependent FMAs: latency, not issue)."""
     r = hv // hk
     NT = dv
     NE = (dk + NT - 1) // NT
+    ACC = 4
+    if dk % ACC:
+        raise ValueError(f"the row-by-row GDN kernel needs dk % {ACC} == 0 (got {dk})")
 
     @T.prim_func
     def gdn_short(
@@ -245,8 +250,9 @@ def short_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
                     ks = T.alloc_buffer((dk,), "float32", scope="shared")
                     qs = T.alloc_buffer((dk,), "float32", scope="shared")
                     col = T.alloc_buffer((dk,), "float32", scope="local")
-                    acc = T.alloc_buffer((1,), "float32", scope="local")
+                    acc = T.alloc_buffer((ACC,), "float32", scope="local")
                     dl = T.alloc_buffer((1,), "float32", scope="local")
+                    eg = T.alloc_buffer((1,), "float32", scope="local")
                     for e in T.unroll(dk):
                         col[e] = ssm[slot[bi], layer, h, e, d]
                     for t in T.serial(cu[bi + 1] - cu[bi]):
@@ -255,16 +261,19 @@ def short_delta_rule(hk: int, hv: int, dk: int, dv: int, n_layers: int):
                                 ks[e0 * NT + d] = k[cu[bi] + t, h // r, e0 * NT + d]
                                 qs[e0 * NT + d] = q[cu[bi] + t, h // r, e0 * NT + d]
                         T.tvm_storage_sync("shared")
-                        acc[0] = T.float32(0)
+                        eg[0] = T.exp(g[cu[bi] + t, h])
+                        for j in T.unroll(ACC):
+                            acc[j] = T.float32(0)
                         for e in T.unroll(dk):
-                            col[e] = col[e] * T.exp(g[cu[bi] + t, h])
-                            acc[0] = acc[0] + col[e] * ks[e]
-                        dl[0] = (v[cu[bi] + t, h, d] - acc[0]) * beta[cu[bi] + t, h]
-                        acc[0] = T.float32(0)
+                            col[e] = col[e] * eg[0]
+                            acc[e % ACC] = acc[e % ACC] + col[e] * ks[e]
+                        dl[0] = (v[cu[bi] + t, h, d] - ((acc[0] + acc[1]) + (acc[2] + acc[3]))) * beta[cu[bi] + t, h]
+                        for j in T.unroll(ACC):
+                            acc[j] = T.float32(0)
                         for e in T.unroll(dk):
                             col[e] = col[e] + ks[e] * dl[0]
-                            acc[0] = acc[0] + col[e] * qs[e]
-                        o[cu[bi] + t, h, d] = acc[0]
+                            acc[e % ACC] = acc[e % ACC] + col[e] * qs[e]
+                        o[cu[bi] + t, h, d] = (acc[0] + acc[1]) + (acc[2] + acc[3])
                         T.tvm_storage_sync("shared")
                     for e in T.unroll(dk):
                         ssm[slot[bi], layer, h, e, d] = col[e]
