@@ -155,7 +155,10 @@ def run_short_emulation(cases=None, log=print) -> list[dict]:
     from .lib import EmuLib
 
     cases = [dict(c, layout={"kernel": "short"}) for c in (cases if cases is not None else EMU_SHORT)]
-    lib = EmuLib({f"gdn_short_{i}": gdn.short_delta_rule(*c["geo"], LAYERS).with_attr("global_symbol", f"gdn_short_{i}")
-                  for i, c in enumerate(cases)})
+    def build(i: int, geo) -> object:
+        hk, hv, dk, dv = geo
+        return gdn.short_delta_rule(hk, hv, dk, dv, LAYERS).with_attr("global_symbol", f"gdn_short_{i}")
+
+    lib = EmuLib({f"gdn_short_{i}": build(i, c["geo"]) for i, c in enumerate(cases)})
     refs = llvm_kernels(c["geo"] for c in cases)
     return [_check(c, lib, f"gdn_short_{i}", refs[tuple(c["geo"])], log) for i, c in enumerate(cases)]
