@@ -11,14 +11,18 @@ from ninfer_mlc.compile.dflash.ring_attention import ring_attention
 from ninfer_mlc.compile.kernels.cuda.emulate.ring import ring_case, ring_module, ring_reference
 from ninfer_mlc.contract.drafter import DrafterConfig
 
-HQ, HKV, DH, N_RING, LANES = 4, 2, 32, 2, 3
-# (name, block, window, causal): tests/dflash_tiny.py's two drafters' rings, and rings of two splits (R = 108)
-CASES = [("b4w16", 4, 16, False), ("b8w24", 8, 24, True), ("b8w100c", 8, 100, True), ("b8w100", 8, 100, False)]
+N_RING, LANES = 2, 3
+TINY = (4, 2, 32)  # (query heads, KV heads, head_dim) of tests/dflash_tiny.py
+# (name, block, window, causal, heads): the tiny drafters' rings, rings of two splits (R = 108), and the 27B
+# drafter's heads (32 / 8 of 128: the GPU's tiling) over a short ring
+CASES = [("b4w16", 4, 16, False, TINY), ("b8w24", 8, 24, True, TINY), ("b8w100c", 8, 100, True, TINY),
+         ("b8w100", 8, 100, False, TINY), ("q27heads", 8, 100, True, (32, 8, 128))]
 
 
-def _cfg(block: int, window: int) -> DrafterConfig:
-    return DrafterConfig(kind="dflash", hidden_size=HQ * DH, intermediate_size=256, num_hidden_layers=N_RING,
-                         num_attention_heads=HQ, num_key_value_heads=HKV, head_dim=DH, rms_norm_eps=1e-6,
+def _cfg(block: int, window: int, heads: tuple) -> DrafterConfig:
+    hq, hkv, dh = heads
+    return DrafterConfig(kind="dflash", hidden_size=hq * dh, intermediate_size=256, num_hidden_layers=N_RING,
+                         num_attention_heads=hq, num_key_value_heads=hkv, head_dim=dh, rms_norm_eps=1e-6,
                          vocab_size=64, layer_types=["sliding_attention"] * N_RING, sliding_window=window,
                          causal=[True] * N_RING, target_layer_ids=[0], num_target_layers=1, block_size=block,
                          mask_token_id=1)
@@ -40,15 +44,15 @@ def _dense(cfg: DrafterConfig, causal: bool, slot: int):
 def emu():
     from ninfer_mlc.compile.kernels.cuda.emulate import EmuLib
 
-    funcs = {name: ring_attention(B, HQ, HKV, DH, W + B, W, N_RING, causal, "float32").with_attr("global_symbol", name)
-             for name, B, W, causal in CASES}
+    funcs = {name: ring_attention(B, *heads, W + B, W, N_RING, causal, "float32").with_attr("global_symbol", name)
+             for name, B, W, causal, heads in CASES}
     return EmuLib(funcs)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_ring_attention_is_the_dense_path(emu, case):
-    name, block, window, causal = CASES[case]
-    cfg = _cfg(block, window)
+    name, block, window, causal, heads = CASES[case]
+    cfg = _cfg(block, window, heads)
     R = cfg.ring_size
     c = ring_case(np.random.default_rng(case), cfg, [3 * R + 5, R // 2], [3, 0], LANES)
     slot = 1
