@@ -17,13 +17,20 @@ drafter shape (M = 32, R = 2056, D = 128), for ~8 MB of K/V.
 Two launches (stream order is the barrier between them):
   1. attend: grid (NS = ceil(R / C), Hkv, b) x NT threads; block (split s, h, bi) takes ring slots
      s*C .. s*C + C - 1 (C = 64). Q rows of (bi, h) in shared memory (fp32). QK: thread t owns slot t % C
-     and M / (NT / C) rows, reads the slot's K row in 16-byte loads and Q as float4 broadcasts, writes the
-     masked scores to shared memory. Softmax: TPR threads per row (a power of two, shuffles within the
-     group) find the chunk's max m and p = exp(s - m), sum l. P.V: thread t owns column t % D (D <= NT;
-     columns t + NT*u for D > NT) of M / (NT / D) rows; V loads are coalesced along the row, P float4
-     broadcasts. The unnormalized partial rows and (m, l) go to a workspace.
+     and M / (NT / C) rows, holds the slot's K row in registers (16-byte loads) and reads Q as float4
+     broadcasts, writes the masked scores to shared memory. Softmax: TPR threads per row (a power of two,
+     shuffles within the group) find the chunk's max m and p = exp(s - m), sum l. P.V: thread t owns column
+     t % D (D <= NT; columns t + NT*u for D > NT) of M / (NT / D) rows; its V column of the chunk is loaded
+     (coalesced along the rows) right after QK, so the loads fly during the softmax; P as float4 broadcasts.
+     The unnormalized partial rows and (m, l) go to a workspace. Loops over registers are unrolled (loads are
+     issued together, one memory round trip per phase: a serial loop waits for each load in turn); at the
+     27B shape 166 registers, no spills, 25 KB shared memory (ptxas, sm_90a).
   2. combine: grid (M, Hkv, b) x min(D, NT): out = sum_s e^(m_s - m) o_s / sum_s e^(m_s - m) l_s, cast to
-     the activation dtype. A chunk whose slots are all masked has m_s = MASKED (-1e30), so its weight is 0.
+     the activation dtype (loops over the NS splits unrolled up to 64). A chunk whose slots are all masked
+     has m_s = MASKED (-1e30), so its weight is 0.
+Work at the 27B drafter shape, b = 1: 264 attend blocks of 128 threads (2 per SM), 2 x 2048 fp32 FMA per
+thread (QK and P.V); the FP32 pipes alone need ~4 us per layer at full rate. Tensor cores (mma.m16n8k16 for
+QK and P.V, as the paged attention's split path does) would be the next step if this shows up in a round.
 Checked against the dense relax path in the CPU emulation of the generated CUDA (tests/test_ring_attention.py)
 and on the GPU (bench/ring_attn_gpu_check.py).
 """
@@ -71,6 +78,8 @@ def ring_attention(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int
     DW, RG, DPT, MR2 = pl["DW"], pl["RG"], pl["DPT"], pl["MR2"]
     D, B, R, W = head_dim, block, ring, window
     RPP = NT // TPR  # rows per softmax pass
+    QI = (M * D // 8 + NT - 1) // NT  # 8-element Q loads per thread
+    splits = T.unroll if NS <= 64 else T.serial  # the combine's loads in flight together (a short loop)
     scale = float(head_dim) ** -0.5
 
     def visible(p, qp):
@@ -98,30 +107,43 @@ def ring_attention(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int
                         ps = T.alloc_buffer((M * SS,), "float32", scope="shared")  # scores
                         pe = T.alloc_buffer((M * SS,), "float32", scope="shared")  # e^(score - m)
                         acc = T.alloc_buffer((MR,), "float32", scope="local")
-                        kr = T.alloc_buffer((8,), dtype, scope="local")
+                        kr = T.alloc_buffer((D,), dtype, scope="local")
+                        qb = T.alloc_buffer((QI * 8,), dtype, scope="local")
                         qv = T.alloc_buffer((4,), "float32", scope="local")
                         red = T.alloc_buffer((3,), "float32", scope="local")
                         sp = T.alloc_buffer((2,), "int32", scope="local")
+                        vr = T.alloc_buffer((C * DPT,), dtype, scope="local")
                         acc2 = T.alloc_buffer((MR2 * DPT,), "float32", scope="local")
                         pv = T.alloc_buffer((4,), "float32", scope="local")
                         hi = pos[bi * B + (B - 1)]
-                        for e0 in T.serial((M * D + NT - 1) // NT):
-                            if e0 * NT + t < M * D:
-                                qs[e0 * NT + t] = T.Cast("float32", q[
-                                    bi * B + (e0 * NT + t) // D // G, h * G + (e0 * NT + t) // D % G, (e0 * NT + t) % D])
+                        # every load of the K row and of Q is issued before the first use (unrolled loops)
+                        for dd in T.unroll(D // 8):
+                            for e in T.vectorized(8):
+                                kr[dd * 8 + e] = rp[lane[bi], layer, 0, h, T.min(s * C + t % C, R - 1), dd * 8 + e]
+                        for e0 in T.unroll(QI):
+                            if (e0 * NT + t) * 8 < M * D:
+                                for e in T.vectorized(8):
+                                    qb[e0 * 8 + e] = q[bi * B + (e0 * NT + t) * 8 // D // G,
+                                                       h * G + (e0 * NT + t) * 8 // D % G, (e0 * NT + t) * 8 % D + e]
+                        for e0 in T.unroll(QI):
+                            if (e0 * NT + t) * 8 < M * D:
+                                for e in T.unroll(8):
+                                    qs[(e0 * NT + t) * 8 + e] = T.Cast("float32", qb[e0 * 8 + e])
                         T.tvm_storage_sync("shared")
                         # QK: slot s*C + t % C, rows (t // C) * MR ..
                         for j in T.unroll(MR):
                             acc[j] = T.float32(0)
-                        for dd in T.serial(D // 8):
-                            for e in T.vectorized(8):
-                                kr[e] = rp[lane[bi], layer, 0, h, T.min(s * C + t % C, R - 1), dd * 8 + e]
+                        for dd in T.unroll(D // 8):
                             for j in T.unroll(MR):
                                 for hv in T.unroll(2):
                                     for e in T.vectorized(4):
                                         qv[e] = qs[((t // C) * MR + j) * D + dd * 8 + hv * 4 + e]
                                     for e in T.unroll(4):
-                                        acc[j] = acc[j] + qv[e] * T.Cast("float32", kr[hv * 4 + e])
+                                        acc[j] = acc[j] + qv[e] * T.Cast("float32", kr[dd * 8 + hv * 4 + e])
+                        # this thread's V column(s) of the chunk, in flight during the softmax
+                        for c in T.unroll(C):
+                            for u in T.unroll(DPT):
+                                vr[c * DPT + u] = rp[lane[bi], layer, 1, h, T.min(s * C + c, R - 1), t % DW + NT * u]
                         # the slot's position; whether the ring holds it for this sequence
                         sp[0] = hi - T.floormod(hi - (s * C + t % C), R)
                         sp[1] = T.Select(s * C + t % C < R and sp[0] >= lo[bi] and sp[0] >= 0, 1, 0)
@@ -133,13 +155,13 @@ def ring_attention(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int
                         # softmax of the chunk: TPR threads per row, rows t // TPR + RPP * pass
                         for rpass in T.serial(RP):
                             red[0] = T.float32(MASKED)
-                            for k in T.serial(C // TPR):
+                            for k in T.unroll(C // TPR):
                                 red[0] = T.max(red[0], ps[T.min(rpass * RPP + t // TPR, M - 1) * SS + k * TPR + t % TPR])
                             for o in T.unroll(TPR.bit_length() - 1):
                                 red[0] = T.max(red[0], T.tvm_warp_shuffle_xor(
                                     T.uint32(0xFFFFFFFF), red[0], TPR >> (o + 1), 32, 32))
                             red[1] = T.float32(0)
-                            for k in T.serial(C // TPR):
+                            for k in T.unroll(C // TPR):
                                 red[2] = T.Select(
                                     s * C + k * TPR + t % TPR < R,
                                     T.exp(ps[T.min(rpass * RPP + t // TPR, M - 1) * SS + k * TPR + t % TPR] - red[0]),
@@ -157,15 +179,14 @@ def ring_attention(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int
                         # P.V: column t % DW (+ NT*u), rows t // DW + RG * j
                         for j in T.unroll(MR2 * DPT):
                             acc2[j] = T.float32(0)
-                        for c4 in T.serial(C // 4):
+                        for c4 in T.unroll(C // 4):
                             for j in T.unroll(MR2):
                                 for e in T.vectorized(4):
                                     pv[e] = pe[T.min(t // DW + RG * j, M - 1) * SS + c4 * 4 + e]
                                 for e in T.unroll(4):
                                     for u in T.unroll(DPT):
                                         acc2[j * DPT + u] = acc2[j * DPT + u] + pv[e] * T.Cast(
-                                            "float32", rp[lane[bi], layer, 1, h, T.min(s * C + c4 * 4 + e, R - 1),
-                                                          t % DW + NT * u])
+                                            "float32", vr[(c4 * 4 + e) * DPT + u])
                         for j in T.unroll(MR2):
                             if t // DW + RG * j < M:
                                 for u in T.unroll(DPT):
@@ -179,12 +200,12 @@ def ring_attention(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int
                         cm = T.alloc_buffer((3,), "float32", scope="local")
                         co = T.alloc_buffer((DPT,), "float32", scope="local")
                         cm[0] = T.float32(MASKED)
-                        for s2 in T.serial(NS):
+                        for s2 in splits(NS):
                             cm[0] = T.max(cm[0], ws_ml[(((bi * n_kv + h) * NS + s2) * M + r) * 2])
                         cm[1] = T.float32(0)
                         for u in T.unroll(DPT):
                             co[u] = T.float32(0)
-                        for s2 in T.serial(NS):
+                        for s2 in splits(NS):
                             cm[2] = T.exp(ws_ml[(((bi * n_kv + h) * NS + s2) * M + r) * 2] - cm[0])
                             cm[1] = cm[1] + cm[2] * ws_ml[(((bi * n_kv + h) * NS + s2) * M + r) * 2 + 1]
                             for u in T.unroll(DPT):
