@@ -68,9 +68,18 @@ def test_ring_attention_is_the_dense_path(emu, case):
 
 
 def test_ring_attention_rejects_bad_geometry():
+    """Geometries the tiling does not take are refused with the reason (and the CUDA drafter keeps the dense
+    path for them: DFlashDrafter builds no ring kernel)."""
+    from tvm.target import Target
+
+    from ninfer_mlc.compile.dflash.model import DFlashDrafter
+
     with pytest.raises(ValueError, match="group"):
         ring_attention(8, 6, 4, 128, 2056, 2048, 4, True, "bfloat16")
     with pytest.raises(ValueError, match="head_dim"):
         ring_attention(8, 32, 8, 100, 2056, 2048, 4, True, "bfloat16")
     with pytest.raises(ValueError, match="exceed"):
         ring_attention(64, 32, 8, 128, 2056, 2048, 4, True, "bfloat16")
+    with Target({"kind": "cuda", "arch": "sm_90"}):
+        assert DFlashDrafter(_cfg(8, 24, TINY), "bfloat16", "cuda").ring_kernels
+        assert not DFlashDrafter(_cfg(64, 24, (32, 2, 32)), "bfloat16", "cuda").ring_kernels

@@ -46,6 +46,7 @@ from ...contract.drafter import DrafterConfig
 from ...contract.sampler_abi import top_logprob_slots
 from .kernels import paged_append, ring_append
 from .ring_attention import kernel_name, ring_attention
+from .ring_attention import unsupported as ring_unsupported
 from .selector_walk import select_walk
 
 MASKED = -1.0e30
@@ -139,11 +140,13 @@ class DFlashDrafter(nn.Module):
             self.paged_append = paged_append(hkv, dh, PAGE_SIZE, len(self.paged), dtype, gpu)
         if self.ring:
             self.ring_append = ring_append(hkv, dh, cfg.ring_size, len(self.ring), dtype, gpu)
-            # CUDA: the whole windowed attention in one prim_func per causality (ring_attention.py); llvm: dense ops
+            # CUDA: the whole windowed attention in one prim_func per causality (ring_attention.py) where its
+            # tiling takes the geometry; llvm (and other geometries): dense ops
             assert cfg.sliding_window is not None  # ring layers exist only with a window
+            fused = gpu and ring_unsupported(cfg.block_size, hq, hkv, dh) is None
             self.ring_kernels = {c: ring_attention(cfg.block_size, hq, hkv, dh, cfg.ring_size, cfg.sliding_window,
                                                    len(self.ring), c, dtype)
-                                 for c in sorted({cfg.causal[i] for i in self.ring})} if gpu else {}
+                                 for c in sorted({cfg.causal[i] for i in self.ring})} if fused else {}
         if cfg.kind == "dflash2":
             self.walk_slots = top_logprob_slots(cfg.vocab_size)  # the device sampler's top-logprob slots
             self.walk_kernel = select_walk(cfg.selector_rank, cfg.selector_top_k, self.walk_slots, dtype, gpu) \

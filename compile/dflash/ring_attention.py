@@ -51,15 +51,23 @@ def _pow2_floor(x: int) -> int:
     return p
 
 
+def unsupported(block: int, n_heads: int, n_kv: int, head_dim: int) -> str | None:
+    """Why the kernel does not take this geometry (None: it does); the drafter then keeps the dense path."""
+    if n_heads % n_kv:
+        return f"{n_heads} query heads do not group over {n_kv} KV heads"
+    if head_dim % 8 or not (head_dim <= NT and NT % head_dim == 0 or head_dim % NT == 0):
+        return f"head_dim {head_dim} must be a multiple of 8 dividing {NT} or a multiple of it"
+    if block * (n_heads // n_kv) > NT:
+        return f"{block * (n_heads // n_kv)} query rows per KV head (block x group) exceed {NT}"
+    return None
+
+
 def ring_plan(block: int, n_heads: int, n_kv: int, head_dim: int, ring: int) -> dict:
     """Static tiling of the kernel for one geometry (also what the GPU check prints)."""
-    if n_heads % n_kv:
-        raise ValueError(f"{n_heads} query heads do not group over {n_kv} KV heads")
-    if head_dim % 8 or not (head_dim <= NT and NT % head_dim == 0 or head_dim % NT == 0):
-        raise ValueError(f"ring attention: head_dim {head_dim} must be a multiple of 8 dividing {NT} or a multiple of it")
+    why = unsupported(block, n_heads, n_kv, head_dim)
+    if why:
+        raise ValueError(f"ring attention: {why}")
     M = block * (n_heads // n_kv)
-    if M > NT:
-        raise ValueError(f"ring attention: {M} query rows per KV head (block x group) exceed {NT}")
     C = CHUNK if M % (NT // CHUNK) == 0 else NT  # slot groups must split the rows evenly
     SG = NT // C
     TPR = min(32, _pow2_floor(max(1, NT // M)))
