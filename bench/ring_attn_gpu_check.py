@@ -130,10 +130,12 @@ def cmd_run(a) -> int:
                 got[path] = o
                 row[f"{path}_err_ref"] = float(np.abs(o - ref).max() / np.abs(ref).max()) if np.isfinite(o).all() \
                     else float("inf")
-                gpu_us, kernels = _profile(torch, lambda fn=fn: fn(*args), 20)
-                row[f"{path}_gpu_us"] = round(gpu_us, 2)
                 row[f"{path}_wall_us"] = round(_wall(torch, lambda fn=fn: fn(*args), 50), 2)
-                row[f"{path}_kernels"] = kernels
+                try:
+                    gpu_us, row[f"{path}_kernels"] = _profile(torch, lambda fn=fn: fn(*args), 20)
+                    row[f"{path}_gpu_us"] = round(gpu_us, 2)
+                except Exception as e:  # noqa: BLE001 (no CUPTI: the wall time still says it)
+                    row[f"{path}_gpu_us"], row["profile_error"] = None, repr(e)
             row["fused_vs_dense"] = float(np.abs(got["fused"] - got["dense"]).max() / np.abs(got["dense"]).max())
             row["pass"] = row["fused_err_ref"] < 2e-2
             ok &= row["pass"]
