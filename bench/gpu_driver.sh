@@ -1,5 +1,5 @@
 #!/bin/bash
-# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash vision moe sass hf serve harness agent moebench script overlap pdl
+# GPU driver (runtime-only TVM), run from the repo root on the GPU machine. Usage: bash bench/gpu_driver.sh STEP... ; steps: gemm nvfp4 attn gemv gdn sampler check mem bench spec specforced dflash ringattn vision moe sass hf serve harness agent moebench script overlap pdl
 set -u
 REPO=$PWD
 export PYTHONUNBUFFERED=1
@@ -38,6 +38,7 @@ for step in "$@"; do
     spec) [ -d .gpu/spec ] && run spec 300 python3 bench/spec_gpu_bench.py run .gpu/spec $OUT/spec.json --skip-forced ;;
     specforced) S=${SPEC_DIR:-.gpu/spec}; [ -d $S/q27b-taps ] && run specforced 560 python3 ${BENCH:-bench}/spec_gpu_bench.py run $S $OUT/spec_forced.json --skip-27b --skip-tiny --budget-s 520 ${FORCED_ARGS:-} ;;
     dflash) [ -d .gpu/dflash ] && run dflash 300 python3 bench/dflash_gpu_check.py run .gpu/dflash $OUT/dflash.json ;;
+    ringattn) [ -d .gpu/ringattn ] && run ringattn 200 python3 bench/ring_attn_gpu_check.py run .gpu/ringattn $OUT/ringattn.json ;;
     serve) servewhl; run serve ${SERVE_TIMEOUT:-570} python3 ${BENCH:-bench}/serve_bench.py ${SERVE_ART:-.gpu/serve} \
              --serve-args="${SERVE_FLAGS:-}" --server-log $OUT/serve_server.log -o $OUT/serve.json ${SERVE_BENCH_ARGS:-} ;;
     overlap) run overlap ${OVERLAP_TIMEOUT:-540} python3 ${BENCH:-bench}/overlap_gpu_check.py ${SERVE_ART:-.gpu/serve} \

@@ -525,7 +525,8 @@ def test_top_k_ids_is_exact():
 
 def test_cuda_drafter_projections_use_the_gemv_and_gemm(arts):
     """On CUDA the block's projections and the lm_head run through the decode GEMV (fp32 logits) and the
-    context's through the sm_90 prefill GEMM; the kernels the drafter adds are thread-bound."""
+    context's through the sm_90 prefill GEMM, the windowed layers through the ring-attention kernel (no dense
+    mask / softmax ops); the kernels the drafter adds are thread-bound."""
     import re
 
     import tvm
@@ -546,3 +547,5 @@ def test_cuda_drafter_projections_use_the_gemv_and_gemm(arts):
     assert any("silu_mul" in c for c in gemv) and any(c.endswith("_f32") for c in gemv)
     assert re.search(r"call_tir\((?:cls\.)?gemm", fns["ctx"].script())
     assert is_thread_bound(m.paged_append) and is_thread_bound(m.ring_append)
+    assert re.search(r"call_tir\((?:cls\.)?dflash_ring_attention", draft) and "dflash_ring_mask" not in draft
+    assert "softmax" not in draft and all(is_thread_bound(f) for f in m.ring_kernels.values())
