@@ -16,13 +16,17 @@ acceptance, rollback and re-feed of what a round did not keep, host syncs.
 Per row: decode tokens/s per request, aggregate tokens/s, rounds per request, tokens per row-round (all
 rounds) and per drafting round (rounds that re-feed rolled-back tokens without drafting are counted in
 the first), ms per round, a round's cost in plain decode steps and the speedup over no speculation, and
-the round's phases in ms (runtime/stats.py SpecCounters: snapshot, propose, verify, accept, settle, glue).
+the round's phases in ms (runtime/stats.py SpecCounters: snapshot, propose, verify, accept, settle, glue), and the
+steady decode rate per request (while every request of the row decodes: at batch > 1 a request's own rate also
+covers steps that carried the others' prefill chunks) with its speedup; batch > 1 rows need enough generated tokens
+(--forced-gen) for such a window to exist.
 """
 from __future__ import annotations
 
 import json
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -141,22 +145,54 @@ def _profiled(run) -> list[tuple[float, float, str]]:
     return out
 
 
+def steady_decode_rate(arrivals: list) -> Optional[float]:
+    """Tokens/s per request while EVERY request decodes: from the last request's first token to the first request's
+    last one, the tokens all requests received in that window over its length, divided by their number. A request's
+    decode rate from its own first token (timings predicted_per_second) also covers steps that carried other
+    requests' prefill chunks, so at batch > 1 it mixes prefill into the decode figure. None when no such window exists
+    (a request finished before the last one started decoding: generate more tokens)."""
+    if not arrivals or any(len(a) < 2 for a in arrivals):
+        return None
+    lo = max(a[0][0] for a in arrivals)
+    hi = min(a[-1][0] for a in arrivals)
+    if hi <= lo:
+        return None
+    n = sum(k for a in arrivals for t, k in a if lo < t <= hi)
+    return round(n / (hi - lo) / len(arrivals), 2)
+
+
 def _measure(eng, prompts, gen: int, profile_window_ms: float = 0.0) -> dict:
     """Warm-up pass (first-call costs, CUDA graph captures at these page widths), then the measured pass.
     profile_window_ms: a third pass under the CUPTI profiler, its last window_ms summarised (gpu_timeline)."""
     from ninfer_mlc.runtime.engine import GenRequest
     from ninfer_mlc.runtime.sampling import SamplingParams
 
+    arrivals: list = []  # per request of the measured pass: [(perf_counter, tokens)] of its token events
+
     def once():
         hs = [eng.submit(GenRequest(list(p), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)))
               for p in prompts]
         t0 = time.perf_counter()
-        toks = [[t for ev in h.iter_sync(timeout=1800) if hasattr(ev, "token_ids") for t in ev.token_ids] for h in hs]
-        return time.perf_counter() - t0, [h.finished for h in hs], toks
+        seen: list = [[] for _ in hs]
+        arrivals[:] = [[] for _ in hs]
+
+        def drain(i):  # a thread per request, so every token event is stamped when it arrives
+            for ev in hs[i].iter_sync(timeout=1800):
+                if hasattr(ev, "token_ids"):
+                    seen[i].extend(ev.token_ids)
+                    arrivals[i].append((time.perf_counter(), len(ev.token_ids)))
+
+        threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(len(hs))]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.perf_counter() - t0, [h.finished for h in hs], seen
 
     once()
     before = eng.stats().spec
     wall, fins, toks = once()
+    steady = steady_decode_rate(arrivals)
     sp = eng.stats().spec
     rows = sp.row_rounds - before.row_rounds
     drafting = rows - (sp.no_draft_rounds - before.no_draft_rounds)
@@ -167,7 +203,7 @@ def _measure(eng, prompts, gen: int, profile_window_ms: float = 0.0) -> dict:
            "decode_tokens_per_s_per_request": round(float(np.mean([x["predicted_per_second"] for x in t])), 2),
            "aggregate_tokens_per_s": round(sum(x["predicted_n"] for x in t) / wall, 2),
            "predicted_ms_per_request": round(pred_ms, 2), "forced_acceptance": t[0].get("draft_forced_acceptance"),
-           "tokens": toks}
+           "steady_decode_tokens_per_s_per_request": steady, "tokens": toks}
     if rows:
         per_req_rounds = rows / len(prompts)
         out.update({"row_rounds": rows, "drafting_row_rounds": drafting,
@@ -270,6 +306,9 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
                 if "ms_per_round" in row:
                     row["round_cost_in_plain_steps"] = round(row["ms_per_round"] / step_ms, 3)
                 row["speedup"] = round(row["decode_tokens_per_s_per_request"] / p["decode_tokens_per_s_per_request"], 3)
+                if row.get("steady_decode_tokens_per_s_per_request") and p.get("steady_decode_tokens_per_s_per_request"):
+                    row["steady_speedup"] = round(row["steady_decode_tokens_per_s_per_request"]
+                                                  / p["steady_decode_tokens_per_s_per_request"], 3)
             res["rows"].append(row)
             log("forced " + json.dumps(row))
             save()
@@ -282,12 +321,16 @@ def print_forced(res: dict) -> None:
     print(f"\n(c) forced acceptance through the engine ({res['target']}, ctx {res['ctx']}, {res['gen']} greedy tokens"
           f"{', RANDOM weights' if res.get('random_weights') else ''}): FORCED profiles, not the model's acceptance")
     print("  profile (\"host\": rounds on the host, device_sampling off)")
-    print("  profile                   b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup")
+    print("  (steady: tok/s per request while every request of the row decodes, and its speedup; - where no such window)")
+    print("  profile                   b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup"
+          "  steady tok/s/req  steady speedup")
     for r in res["rows"]:
+        st, ss = r.get("steady_decode_tokens_per_s_per_request"), r.get("steady_speedup", 1.0 if r["spec"] == "none" else None)
         print(f"  {r['profile']:24s} {r['batch']:2d}  {r['decode_tokens_per_s_per_request']:9.1f}  "
               f"{r['aggregate_tokens_per_s']:9.1f}  {r.get('tokens_per_round', 1.0):9.2f}  "
               f"{r.get('tokens_per_drafting_round', 1.0):15.2f}  {r.get('ms_per_round', float('nan')):8.2f}  "
               f"{r.get('round_cost_in_plain_steps', 1.0):17.2f}  {r.get('speedup', 1.0):7.2f}"
+              f"  {'-' if st is None else f'{st:16.1f}'}  {'-' if ss is None else f'{ss:14.2f}'}"
               + ("" if "device_matches_host" not in r else
                  "  device rounds = host rounds" if r["device_matches_host"] else "  DEVICE ROUNDS DIFFER FROM HOST"))
         if r.get("phase_ms_per_round"):
