@@ -20,6 +20,10 @@ the round's phases in ms (runtime/stats.py SpecCounters: snapshot, propose, veri
 steady decode rate per request (while every request of the row decodes: at batch > 1 a request's own rate also
 covers steps that carried the others' prefill chunks) with its speedup; batch > 1 rows need enough generated tokens
 (--forced-gen) for such a window to exist.
+With lm_head_draft (`--forced-lm-head-draft N|FILE`): every MTP profile also runs with the shortlisted proposal
+head (EngineConfig.lm_head_draft), rows labelled "<profile> head<N>" and carrying lm_head_draft and
+head_on_device (whether the draft chain ran over the head on the device: a library built before
+mtp_step_hd drafts with a shortlist in host rounds only), beside the full-head rows.
 """
 from __future__ import annotations
 
@@ -220,6 +224,7 @@ def _measure(eng, prompts, gen: int, profile_window_ms: float = 0.0) -> dict:
         from ninfer_mlc.runtime.stats import phase_ms
 
         out["device_rounds"] = sp.device_rounds - before.device_rounds
+        out["device_drafts"] = sp.device_drafts - before.device_drafts  # rounds whose draft chain ran on the device
         out["phase_ms_per_round"] = phase_ms(sp, rounds, before)
     if profile_window_ms > 0:
         try:
@@ -229,22 +234,30 @@ def _measure(eng, prompts, gen: int, profile_window_ms: float = 0.0) -> dict:
     return out
 
 
-def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches: list[int], deadline: float,
+def head_label(lm_head_draft: str) -> str:
+    """Row label suffix of the shortlisted-head profiles: head<N>, or head:<file name>."""
+    spec = str(lm_head_draft).strip()
+    return f"head{spec}" if spec.isdigit() else f"head:{Path(spec).name}"
+
+
+def run_forced(target_dir: Path, drafter_dir: Optional[Path], ctx: int, gen: int, batches: list[int], deadline: float,
                device: str = "auto", log=print, save=lambda: None, host_check: bool = True,
-               refeed_max: Optional[int] = None, profile_window_ms: float = 0.0) -> dict:
+               refeed_max: Optional[int] = None, profile_window_ms: float = 0.0,
+               lm_head_draft: Optional[str] = None) -> dict:
     """host_check: every speculative row is run again with its rounds on the host (device_sampling off: the
     host-side rounds, for comparison) and the two outputs compared (device_matches_host: forced rows keep the
     device-chosen drafts and the target's argmax, so any difference is a device-round bug).
     refeed_max: also run every speculative profile with this re-feed bound (EngineConfig.spec_refeed_max; rows
     labelled "refeed N"): rounds that keep drafting after rejections, at the cost of longer verifies.
-    profile_window_ms: batch-1 rows also get a CUPTI timeline of their last window (gpu_timeline)."""
+    profile_window_ms: batch-1 rows also get a CUPTI timeline of their last window (gpu_timeline).
+    drafter_dir None: no DFlash2 profiles. lm_head_draft: every MTP profile again with this shortlisted head."""
     from ninfer_mlc.runtime.assemble import open_engine
     from ninfer_mlc.runtime.config import EngineConfig
 
     b_max = max(batches)
     cfg = EngineConfig(device=device, max_concurrency=b_max, max_pending_requests=b_max, max_context=ctx + gen + 64,
                        kv_capacity=str(b_max * (ctx + gen + 256)), prefix_reuse=False, prefill_chunk=2048,
-                       spec="dflash2", draft_tokens=7, draft_model=str(drafter_dir))
+                       spec="mtp", draft_tokens=3)
     from ninfer_mlc.runtime.spec.dflash_runner import attach_paged_pool
 
     t0 = time.time()
@@ -254,23 +267,31 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
     base = open_engine(target_dir, replace(cfg, spec="mtp", draft_model=None, draft_tokens=3), start=False)
     runner, kv, tok = base.runner, base.kv, base.tok
     del base
-    attach_paged_pool(runner, drafter_dir)  # the drafter's paged layers on the target's page ids
-    res = {"target": str(target_dir), "drafter": str(drafter_dir), "ctx": ctx, "gen": gen,
+    if drafter_dir is not None:
+        attach_paged_pool(runner, drafter_dir)  # the drafter's paged layers on the target's page ids
+    res = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir is not None else None, "ctx": ctx,
+           "gen": gen, "lm_head_draft": lm_head_draft,
            "random_weights": bool(runner.random_weights), "load_seconds": round(time.time() - t0, 2),
            "rows": [], "skipped": []}
     rng = np.random.default_rng(0)
     prompts = rng.integers(10, runner.sample_vocab, (b_max, ctx)).tolist()
     plain = {}
-    runs = [(label, spec, k, forced, "auto", None) for label, spec, k, forced in PROFILES]
+    profiles = [(label, spec, k, forced, None) for label, spec, k, forced in PROFILES
+                if spec != "dflash2" or drafter_dir is not None]
+    if lm_head_draft is not None:  # each MTP profile with the shortlisted head, after the full-head one
+        profiles = [r for x in profiles for r in ([x] if x[1] != "mtp" else
+                                                  [x, (f"{x[0]} {head_label(lm_head_draft)}", *x[1:4], lm_head_draft)])]
+    runs = [(label, spec, k, forced, "auto", None, head) for label, spec, k, forced, head in profiles]
     if host_check:  # after every device-round run: the same profile with host rounds
-        runs = [r for x in runs for r in ([x] if x[1] == "none" else [x, (x[0] + " host", *x[1:4], "off", None)])]
+        runs = [r for x in runs for r in ([x] if x[1] == "none" else [x, (x[0] + " host", *x[1:4], "off", None, x[6])])]
     if refeed_max is not None:
-        runs += [(f"{label} refeed {refeed_max}", spec, k, forced, "auto", refeed_max)
-                 for label, spec, k, forced in PROFILES if spec != "none"]
+        runs += [(f"{label} refeed {refeed_max}", spec, k, forced, "auto", refeed_max, head)
+                 for label, spec, k, forced, head in profiles if spec != "none"]
     device_tokens = {}
-    for label, spec, k, forced, sampling, refeed in runs:
+    for label, spec, k, forced, sampling, refeed, head in runs:
         pc = replace(cfg, spec=spec, draft_tokens=max(k, 1), forced_acceptance=forced, device_sampling=sampling,
-                     spec_refeed_max=refeed, draft_model=str(drafter_dir) if spec == "dflash2" else None)
+                     spec_refeed_max=refeed, draft_model=str(drafter_dir) if spec == "dflash2" else None,
+                     lm_head_draft=head)
         for b in batches:
             if time.time() > deadline:
                 res["skipped"].append({"profile": label, "batch": b})
@@ -280,12 +301,18 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
             try:
                 row = {"profile": label, "spec": spec, "draft_tokens": k, "batch": b, **_measure(eng, prompts[:b], gen,
                                                                                              profile_window_ms if b == 1 else 0.0)}
+                if head is not None:  # the shortlisted proposal head (runtime/executor/draft_head.py)
+                    proposer = getattr(getattr(eng, "spec", None), "proposer", None)
+                    row["lm_head_draft"] = head
+                    row["head_on_device"] = bool(getattr(proposer, "device_head", False))
+                    if runner.draft_head is not None:
+                        row["head_rows"] = runner.draft_head.rows
             finally:
                 eng.stop()
             toks = row.pop("tokens")
             # CUDA-graph counters so far (cumulative over the runs): replays vs eager calls of the round's functions
             row["graphs"] = {n: dict(g.stats) for n in ("decode_graphs", "verify_graphs", "verify_t_graphs", "mtp_graphs",
-                                                       "replay_graphs")
+                                                       "mtp_hd_graphs", "replay_graphs")
                              if (g := getattr(runner, n, None)) is not None}
             dr = getattr(getattr(getattr(eng, "spec", None), "proposer", None), "dr", None)  # a DFlash drafter's
             for n in ("ctx_graphs", "draft_graphs"):
@@ -294,9 +321,9 @@ def run_forced(target_dir: Path, drafter_dir: Path, ctx: int, gen: int, batches:
             if refeed is not None:
                 pass  # another round structure: forced rows keep other tokens
             elif sampling == "auto":
-                device_tokens[(spec, forced, b)] = toks
-            elif (spec, forced, b) in device_tokens:
-                row["device_matches_host"] = device_tokens[(spec, forced, b)] == toks
+                device_tokens[(spec, forced, head, b)] = toks
+            elif (spec, forced, head, b) in device_tokens:
+                row["device_matches_host"] = device_tokens[(spec, forced, head, b)] == toks
             if spec == "none":
                 plain[b] = row
             elif b in plain:
@@ -321,6 +348,9 @@ def print_forced(res: dict) -> None:
     print(f"\n(c) forced acceptance through the engine ({res['target']}, ctx {res['ctx']}, {res['gen']} greedy tokens"
           f"{', RANDOM weights' if res.get('random_weights') else ''}): FORCED profiles, not the model's acceptance")
     print("  profile (\"host\": rounds on the host, device_sampling off)")
+    if res.get("lm_head_draft") is not None:
+        print(f"  (\"{head_label(res['lm_head_draft'])}\": MTP drafts over the shortlisted proposal head "
+              f"--lm-head-draft {res['lm_head_draft']}; lossless, only the drafts change)")
     print("  (steady: tok/s per request while every request of the row decodes, and its speedup; - where no such window)")
     print("  profile                   b  tok/s/req  agg tok/s  tok/round  tok/draft-round  ms/round  round/plain-steps  speedup"
           "  steady tok/s/req  steady speedup")
@@ -335,7 +365,10 @@ def print_forced(res: dict) -> None:
                  "  device rounds = host rounds" if r["device_matches_host"] else "  DEVICE ROUNDS DIFFER FROM HOST"))
         if r.get("phase_ms_per_round"):
             print("      ms/round by phase: " + "  ".join(f"{k} {v:.2f}" for k, v in r["phase_ms_per_round"].items())
-                  + f"  (device rounds {r.get('device_rounds', 0)})")
+                  + f"  (device rounds {r.get('device_rounds', 0)}, device draft chains {r.get('device_drafts', 0)})"
+                  + ("" if "lm_head_draft" not in r else
+                     f"  head {r.get('head_rows', '?')} ids, " + ("on the device" if r.get("head_on_device") else
+                                                                 "HOST ROUNDS ONLY (library predates mtp_step_hd)")))
         tl = r.get("gpu_timeline") or {}
         if tl.get("busy_fraction") is not None:
             print(f"      GPU busy {100 * tl['busy_fraction']:.1f} % of the last {tl['window_us'] / 1e3:.0f} ms "

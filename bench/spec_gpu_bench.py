@@ -30,6 +30,7 @@ runtime/ and compile/ linked, PYTHONPATH=/tmp/pkg:/tmp/site, torch's libcudart o
       Only this part:  run OUT RESULT.json --skip-27b --skip-tiny --budget-s 540
       CPU dry run:     run OUT R.json --device cpu --skip-27b --skip-tiny --forced-target TAPS_ART
                        --forced-drafter DFLASH2_ART --forced-ctx 200 --forced-gen 12 --forced-batches 1,2
+      --forced-lm-head-draft 32768: every MTP profile also with the shortlisted proposal head (rows "... head32768")
 
 Projection, per batch b and k drafts (greedy, i.i.d. acceptance a):
   tokens/round  tau = (1 - a^(k+1)) / (1 - a)
@@ -690,7 +691,8 @@ def cmd_run(a) -> int:
                 a.forced_ctx, a.forced_gen, [int(x) for x in a.forced_batches.split(",")],
                 t0 + (a.budget_s if a.skip_27b and a.skip_tiny else 0.5 * a.budget_s), device=a.device,
                 log=lambda *m: print(*m, flush=True), save=save, host_check=not a.forced_no_host,
-                refeed_max=a.forced_refeed_max, profile_window_ms=a.forced_profile_ms)
+                refeed_max=a.forced_refeed_max, profile_window_ms=a.forced_profile_ms,
+                lm_head_draft=a.forced_lm_head_draft)
         except Exception as e:  # noqa: BLE001 - keep what the other parts measure
             import traceback
 
@@ -750,6 +752,8 @@ def main(argv=None) -> int:
                    help="(c) batch-1 rows: a CUPTI timeline of the last MS of a third pass (GPU busy fraction, idle gaps)")
     r.add_argument("--forced-refeed-max", type=int, default=None,
                    help="(c) also run each speculative profile with this re-feed bound (--spec-refeed-max)")
+    r.add_argument("--forced-lm-head-draft", default=None, metavar="N|FILE",
+                   help="(c) every MTP profile also with the shortlisted proposal head (--lm-head-draft N|FILE)")
     r.add_argument("--k", type=int, nargs="+", default=[1, 2, 3])
     r.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     r.add_argument("--max-tokens", type=int, default=64)

@@ -270,6 +270,8 @@ def compile_model(model_dir: str | Path, target: str = "llvm", quant: str = "f32
         max_context=max_context, library=lib_rel, params=specs, weight_shards=shards,
         tvm_version=tvm.__version__, rope=rope_info,
         extras={"kv_hadamard": bool(kv_hadamard), "mtp": bool(mtp), "weight_quant": weight_quant or dtype,
+                # the shortlisted MTP head runs in device rounds (mtp_head_build / mtp_step_hd / mtp_prefill_hd)
+                "mtp_head_draft": bool(mtp),
                 "fp4_mma": bool(use_fp4_mma), "fp4_qk": bool(use_fp4_qk), "device_sampler": SAMPLER_ABI_VERSION,
                 "max_prefill_chunk": max_rows,
                 # every kernel opens with griddepcontrol.wait (compile/grid_dependency.py): graphs may use PDL edges

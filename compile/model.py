@@ -19,6 +19,12 @@ Speculative decoding (final hidden states are post-norm, fp32):
       -> (logits[n,V], hidden_out[n,D], mtp_kv_pool)
   mtp_prefill(..., logit_rows[r], mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
   mtp_step_sl(..., shortlist[m], mtp_kv_pool) -> (logits[n,m] over the shortlisted ids, hidden_out, mtp_kv_pool)
+  with the shortlisted proposal head on the device (manifest extras.mtp_head_draft; runtime/spec/mtp.py):
+  mtp_head_build(head_ids[m]) -> head_w[m,D] (lm_head / tied embedding rows, activation dtype; once per shortlist)
+  mtp_step_hd(hidden, next_tokens, positions, token_seq, page_table, head_w[m,D], head_pos[V], mtp_kv_pool)
+      -> (logits[n,V], hidden_out[n,D], mtp_kv_pool): logits only over head_w's rows (head_pos[v]: the row of id
+      v, -1 for ids outside the head, whose logits are -inf), so the device sampler's [n, V] contract holds
+  mtp_prefill_hd(..., logit_rows[r], head_w, head_pos, mtp_kv_pool) -> (logits[r,V], hidden_out[r,D], mtp_kv_pool)
 With tap layers (a DFlash drafter's target_layer_ids, `ninfer compile --tap-layers`):
   prefill_t(same as prefill) -> (logits[r,V], taps[n, T*D], pools...)
   verify_t(same as verify) -> (logits[n,V], taps[n, T*D], qkvz_rows, ba_rows, pools...)
@@ -43,7 +49,7 @@ import contextvars
 from typing import Protocol
 
 import numpy as np
-from tvm import tirx
+from tvm import te, tirx
 from tvm.relax.frontend import nn
 from tvm.relax.frontend.nn import op
 
@@ -483,7 +489,8 @@ class Qwen3xForCausalLM(nn.Module):
         multimodal: also export prefill_mm / decode_mrope (image embeddings, M-RoPE positions).
         kv_dtype: KV page dtype (None = dtype; float32 | bfloat16 | fp8 | nvfp4).
         kv_hadamard: rotate Q and K by a normalised Walsh-Hadamard after RoPE.
-        mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl).
+        mtp: compile the MTP head (mtp.* parameters, mtp_kv_pool, mtp_prefill / mtp_step / mtp_step_sl, and the
+        shortlisted head on the device: mtp_head_build / mtp_step_hd / mtp_prefill_hd).
         tap_layers: compile prefill_t / verify_t, which return the outputs of these decoder layers (a
         DFlash drafter's target_layer_ids); empty: the functions do not exist."""
         self.cfg, self.dtype = cfg, dtype
@@ -494,6 +501,7 @@ class Qwen3xForCausalLM(nn.Module):
         kernels = kernel_set(target_kind, None if self.kv_dtype == dtype else self.kv_dtype)
         self._gemv_factory = getattr(kernels, "gemv", None)
         self._gemm_factory = getattr(kernels, "gemm", None)
+        self._gemv_rows_factory = getattr(kernels, "gemv_rows", None)
         token = _WEIGHT_QUANT.set(weight_quant)
         norm_token = _NORM.set(getattr(kernels, "rms_norm", None))
         try:
@@ -732,6 +740,49 @@ class Qwen3xForCausalLM(nn.Module):
         logits = op.matmul(hn, op.permute_dims(op.take(w, shortlist, axis=0)))
         return logits.astype("float32"), hn.astype("float32"), mtp_kv_pool
 
+    # ---- the shortlisted proposal head on the device (FR-Spec: drafts over the frequent ids only) --------
+    def _head_weight(self):
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
+    def mtp_head_build(self, head_ids):
+        """The shortlisted head's weight: the lm_head rows of head_ids [m] ([m, D], activation dtype), made on
+        the device once per shortlist (never copied through the host)."""
+        return op.take(self._head_weight(), head_ids, axis=0)
+
+    def _head_draft(self, hn, head_w, head_pos):
+        """Logits [n, V] f32 of the shortlisted head: hn [n, D] @ head_w [m, D]^T read once (the rows-symbolic
+        decode GEMV where the kernel set has one, else a matmul), spread to the vocabulary by head_pos [V] (the
+        row of each id, -1 outside the head: -inf)."""
+        part = None
+        if self._gemv_rows_factory is not None and hn.dtype == head_w.dtype:
+            func = self._gemv_rows_factory(int(head_w.shape[1]), hn.dtype, "float32")
+            if func is not None:
+                part = op.tensor_ir_op(func, "gemv_rows", [hn, head_w],
+                                       nn.Tensor.placeholder((hn.shape[0], head_w.shape[0]), "float32"))
+        if part is None:
+            part = op.matmul(hn, op.permute_dims(head_w), out_dtype="float32")
+        vocab = self.cfg.vocab_size
+
+        def spread(p: te.Tensor, pos: te.Tensor) -> te.Tensor:
+            return te.compute((p.shape[0], vocab), lambda b, v: tirx.Select(
+                pos[v] >= 0, p[b, tirx.Max(pos[v], 0)], tirx.const(float("-inf"), "float32")), name="head_draft_logits")
+
+        return nn.tensor_expr_op(spread, "head_draft_logits", [part, head_pos])
+
+    def mtp_step_hd(self, hidden, next_tokens, positions, token_seq, page_table, head_w, head_pos, mtp_kv_pool):
+        """mtp_step with the shortlisted head (head_w / head_pos: mtp_head_build's weight and the id -> row map)."""
+        with self._decode_gemv():
+            hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+            return self._head_draft(hn, head_w, head_pos), hn.astype("float32"), mtp_kv_pool
+
+    def mtp_prefill_hd(self, hidden, next_tokens, positions, token_seq, page_table, logit_rows, head_w, head_pos,
+                       mtp_kv_pool):
+        """mtp_prefill with the shortlisted head (a draft round's first step)."""
+        with self._prefill_gemm():
+            hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
+        hr = op.take(hn, logit_rows, axis=0)
+        return self._head_draft(hr, head_w, head_pos), hr.astype("float32"), mtp_kv_pool
+
     # ------------------------------------------------------------------------------------
     def pool_specs(self) -> dict:
         lay = self.pool_layout()
@@ -849,5 +900,11 @@ class Qwen3xForCausalLM(nn.Module):
                                   "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
             out["mtp_step_sl"] = {**rows, "shortlist": nn.spec.Tensor(["m"], i32),
                                   "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
+            head = {"head_w": nn.spec.Tensor(["m", self.cfg.hidden_size], self.dtype),
+                    "head_pos": nn.spec.Tensor([self.cfg.vocab_size], i32)}
+            out["mtp_head_build"] = {"head_ids": nn.spec.Tensor(["m"], i32), "$": mode}
+            out["mtp_step_hd"] = {**rows, **head, "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
+            out["mtp_prefill_hd"] = {**rows, "logit_rows": nn.spec.Tensor(["r"], i32), **head,
+                                     "mtp_kv_pool": self.mtp_pool_spec(), "$": mode}
         return out
 

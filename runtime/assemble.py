@@ -20,6 +20,7 @@ from .kv.host_tier import HostTier
 from .kv.manager import KVManager
 from .kv.prefix_cache import PrefixCache
 from .scheduler.scheduler import ThinkControl
+from .spec.mtp import shortlist_rows
 from .stats import ModelInfo
 from .tokenizer import load_tokenizer
 from .vision.encoder import open_vision
@@ -62,7 +63,10 @@ def kv_pool_tokens(cfg: EngineConfig, runner: ModelRunner, max_context: int) -> 
             assert cfg.draft_model  # validate() requires it for DFlash
             extra = paged_bytes_per_page(cfg.draft_model)
         rows = max(int(cfg.prefill_chunk or 0), cfg.max_concurrency * (cfg.draft_tokens + 1))
-        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra, step_rows=rows)
+        head = 0  # the shortlisted MTP head built on the device after the pools (executor/draft_head.py)
+        if cfg.spec == "mtp" and cfg.lm_head_draft:
+            head = runner.draft_head_bytes(shortlist_rows(cfg.lm_head_draft, runner.vocab_size))
+        cap = runner.auto_kv_tokens(cfg.device_slots, extra_page_bytes=extra, step_rows=rows, extra_bytes=head)
     return int(cap)
 
 

@@ -46,6 +46,7 @@ class SpecCounters:
     no_draft_rounds: int = 0
     forced_acceptance: Optional[float] = None  # BENCHMARK ONLY: forced tokens per round (spec/forced.py)
     device_rounds: int = 0  # rounds whose drafts / acceptance ran on the device (spec/device_round.py)
+    device_drafts: int = 0  # device rounds whose drafts were chosen on the device too (e.g. an MTP draft chain)
     # wall seconds per phase of the rounds, summed (engine thread, perf_counter): where a round's time goes.
     # A phase ends where the host next waits for a result, so device work queued in one phase and waited for
     # in a later one is counted there. Host rounds wait in every phase. Device rounds (device_rounds) queue the

@@ -193,10 +193,14 @@ def test_gemv_only_in_decode_functions():
             continue
         calls = set(re.findall(r"call_tir\((?:cls\.)?(gemv\w*)", f.script()))
         gemm = set(re.findall(r"call_tir\((?:cls\.)?(gemm\w*)", f.script()))
-        if gv.name_hint in ("decode", "mtp_step", "verify"):
+        if gv.name_hint in ("decode", "mtp_step", "verify", "mtp_step_hd"):
             assert any("silu_mul" in c for c in calls) and any("residual" in c for c in calls), gv.name_hint
             assert any(c.endswith("_f32") for c in calls), "lm_head with fp32 logits"
             assert not gemm, gv.name_hint
+            assert any(c.startswith("gemv_rows") for c in calls) == (gv.name_hint == "mtp_step_hd"), gv.name_hint
+        elif gv.name_hint == "mtp_prefill_hd":  # prefill GEMMs, the shortlisted head through gemv_rows
+            assert calls and all(c.startswith("gemv_rows") for c in calls), calls
+            assert any("silu_mul" in c for c in gemm) and any("residual" in c for c in gemm), gemm
         elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill"):
             assert not calls, gv.name_hint
             assert any("silu_mul" in c for c in gemm) and any("residual" in c for c in gemm), gv.name_hint
@@ -221,6 +225,31 @@ def test_gemv_cuda_source_on_cpu_emulator():
     rows = run_emulation(quick=True, log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_gemv_rows_cuda_source_on_cpu_emulator():
+    """gemv_rows (weight rows known at run time: the shortlisted MTP head) on the CPU emulator: m not a multiple
+    of the 16-row tile, fewer rows than a tile, n on both sides of the n <= 8 launch branch, K split over warps."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gemv import run_rows_emulation
+
+    rows = run_rows_emulation(log=lambda *_: None)
+    bad = [r for r in rows if not r["ok"]]
+    assert len(rows) == 12 and not bad, bad
+
+
+def test_gemv_rows_contract():
+    """gemv_rows: x[n, K], w[m, K], out[n, m] with m symbolic, thread-bound; None where the tensor-core path does
+    not apply (fp32, K % 8), so the model keeps its matmul; the llvm set has none."""
+    from ninfer_mlc.compile.gpu_pipeline import is_thread_bound
+
+    assert kernel_set("llvm").gemv_rows is None
+    g = kernel_set("cuda").gemv_rows
+    f = g(5120, "bfloat16", "float32")
+    assert is_thread_bound(f)
+    assert [(str(list(p.shape)), str(p.dtype)) for p in f.params] == \
+        [("[n, 5120]", "bfloat16"), ("[m, 5120]", "bfloat16"), ("[n, m]", "float32")]
+    assert g(5120, "float32", "float32") is None and g(100, "bfloat16", "float32") is None
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
@@ -435,18 +464,20 @@ def test_nvfp4_decode_functions_use_gemv():
         if not isinstance(f, tvm.relax.Function):
             continue
         calls = set(re.findall(r"call_tir\((?:cls\.)?(\w+)", f.script()))
-        if gv.name_hint in ("decode", "mtp_step", "verify"):
+        if gv.name_hint in ("decode", "mtp_step", "verify", "mtp_step_hd"):
             assert not [c for c in calls if "dequant" in c], gv.name_hint
             nv = [c for c in calls if c.startswith("gemv_nvfp4")]
             assert any("silu_mul" in c for c in nv) and any("residual" in c for c in nv), (gv.name_hint, nv)
             assert any("silu_mul" not in c and "residual" not in c for c in nv), (gv.name_hint, nv)
-        elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill"):
+        elif gv.name_hint in ("prefill", "prefill_h", "mtp_prefill", "mtp_prefill_hd"):
             gm = [c for c in calls if c.startswith("gemm_")]
             dq = [c for c in calls if c.startswith("dequant_nvfp4")]  # the hand-written kernel, no tensor expression
             assert dq and all(re.fullmatch(r"dequant_nvfp4_\d+x\d+_bf16", c) for c in dq), (gv.name_hint, dq)
-            assert not [c for c in calls if c.startswith("gemv")]
+            # the shortlisted head (bf16 rows of the unquantized lm_head) through gemv_rows
+            assert [c for c in calls if c.startswith("gemv")] == (["gemv_rows_128_bf16_f32"]
+                                                                   if gv.name_hint == "mtp_prefill_hd" else [])
             assert any("silu_mul" in c for c in gm) and any("residual" in c for c in gm), (gv.name_hint, gm)
-        elif gv.name_hint == "gdn_replay":  # the recurrence over a verify's kept projections: no weight matmul
+        elif gv.name_hint in ("gdn_replay", "mtp_head_build"):  # no weight matmul (a recurrence, a row gather)
             assert not [c for c in calls if "dequant" in c or c.startswith(("gemv", "gemm"))], (gv.name_hint, calls)
         else:
             assert any(re.fullmatch(r"dequant_nvfp4\d*", c) for c in calls), gv.name_hint
@@ -490,6 +521,28 @@ def test_gemv_nvfp4_27b_compiles(tmp_path, arch):
                            capture_output=True, text=True, check=True)
         spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
         assert len(spills) == 2 * len(shapes) and set(spills) == {"0"}, r.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_gemv_rows_27b_compiles_without_spills(tmp_path):
+    """The shortlisted MTP head's GEMV at 27B (K = 5120, bf16 -> fp32 logits, both launches) compiles for sm_90
+    without spills."""
+    import subprocess
+
+    import tvm
+
+    from ninfer_mlc.compile.targets import cuda_build_env, parse_target
+
+    f = kernel_set("cuda").gemv_rows(5120, "bfloat16", "float32")
+    tgt = parse_target("cuda:sm_90").tvm_target()
+    with cuda_build_env(tgt):
+        ex = tvm.compile(tvm.IRModule({f.attrs["global_symbol"]: f}), target=tgt)
+    src = ex.mod.imports[0].inspect_source("cuda")
+    (tmp_path / "g.cu").write_text(src)
+    r = subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "--use_fast_math", "-Xptxas", "-v",
+                        str(tmp_path / "g.cu"), "-o", str(tmp_path / "g.cubin")], capture_output=True, text=True, check=True)
+    spills = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    assert len(spills) == 2 and set(spills) == {"0"}, r.stderr
 
 
 # ---- prefill GEMM (compile/kernels/cuda/gemm_sm90.py: cp.async + wgmma, sm_90a) -------------------------

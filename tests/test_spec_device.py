@@ -4,7 +4,8 @@ the same compiled `sample` function CUDA runs):
 * the device argmax equals the host argmax of the cut logits (ids past the tokenizer's vocabulary masked),
   and its logprobs equal the host's;
 * greedy acceptance over device argmax ids keeps exactly what accept() keeps over host logits;
-* the MTP chain on the device proposes the drafts the host chain proposes;
+* the MTP chain on the device proposes the drafts the host chain proposes, with the full head and with a
+  shortlisted one (--lm-head-draft, executor/draft_head.py);
 * through the engine: greedy MTP output is identical with device rounds on and off, forced-acceptance rounds
   emit the same tokens on both paths, and the per-phase round timings reach stats;
 * with rollback by re-feed (libraries without gdn_replay), a larger re-feed bound (spec_refeed_max) keeps rows
@@ -96,11 +97,10 @@ def test_greedy_plain():
     assert not greedy_plain(RowState(SamplingParams(temperature=0.7)))
 
 
-def test_mtp_chain_on_device_matches_host(runner, prompts):
-    ids = prompts[0] * 3
+def _host_and_device_chains(runner, prop: MTPProposer, ids: list[int], k: int = 4) -> tuple[list, list]:
+    """The same prompt prefilled twice: k drafts of a chain on the host and of one on the device."""
     seqs, states, acts = [], [], []
-    prop = MTPProposer(runner)
-    for _ in range(2):  # the same prompt twice: one chain on the host, one on the device
+    for _ in range(2):
         seq = runner.new_seq()
         act = SimpleNamespace(req=SimpleNamespace(prompt_ids=ids), generated=[], seq=seq)
         act.all_tokens = lambda a=act: list(ids) + a.generated
@@ -112,12 +112,35 @@ def test_mtp_chain_on_device_matches_host(runner, prompts):
         seqs.append(seq)
         states.append(st)
         acts.append(act)
-    (host,) = prop.propose([(acts[0], states[0], 4)], lambda a, row, j: int(np.argmax(row)))
-    rows = prop.launch_device(prop.stage_device([(acts[1], states[1], 4)]), DeviceArgmax(runner))
-    assert len(host) == 4 and rows.numpy()[:, 0].tolist() == host
+    (host,) = prop.propose([(acts[0], states[0], k)], lambda a, row, j: int(np.argmax(row)))
+    rows = prop.launch_device(prop.stage_device([(acts[1], states[1], k)]), DeviceArgmax(runner))
     assert states[1].mtp_pos == states[0].mtp_pos and states[1].mtp_hidden is None
     for s in seqs:
         runner.free_seq(s)
+    return host, rows.numpy()[:, 0].tolist()
+
+
+def test_mtp_chain_on_device_matches_host(runner, prompts):
+    host, dev = _host_and_device_chains(runner, MTPProposer(runner), prompts[0] * 3)
+    assert len(host) == 4 and dev == host
+
+
+def test_shortlisted_chain_on_device_matches_host(runner, prompts):
+    """The shortlisted head drafts on the device (mtp_step_hd over the head's rows, -inf elsewhere) exactly what the
+    host chain (mtp_step_sl) drafts: over a shortlist without the full head's drafts, so the head really decides."""
+    ids = prompts[0] * 3
+    full, _ = _host_and_device_chains(runner, MTPProposer(runner), ids)
+    V = runner.sample_vocab
+    shortlist = np.array([i for i in range(V) if i not in full and i % 3 != 1], np.int32)
+    prop = MTPProposer(runner, shortlist)
+    assert prop.device_head and runner.draft_head is not None and runner.draft_head.rows == len(shortlist)
+    assert runner.draft_head.weight.shape == (len(shortlist), runner.cfg["hidden_size"])
+    host, dev = _host_and_device_chains(runner, prop, ids)
+    assert dev == host and set(host) <= set(shortlist.tolist()) and not set(host) & set(full)
+    # the head's weight is the lm_head's rows (tied embedding here), gathered on the device
+    w = runner.param("lm_head.weight") if "lm_head.weight" in [n for n, _, _ in runner.manifest.params] \
+        else runner.param("model.embed_tokens.weight")
+    np.testing.assert_array_equal(runner.draft_head.weight.numpy(), w.numpy()[shortlist])
 
 
 def _generate(prompts, params=None, logprobs=None, spec="mtp", **opts):
@@ -170,6 +193,7 @@ def test_device_rounds_match_host_rounds(prompts, forced):
     assert dev == host
     sp = st_dev.spec
     assert sp.device_rounds == sp.rounds > 0 and st_host.spec.device_rounds == 0
+    assert sp.device_drafts > 0 and st_host.spec.device_drafts == 0  # the MTP chain ran on the device
     if forced is not None:  # forced rows keep drafts whatever the target says: same counts on both paths
         assert sp.accepted_tokens == st_host.spec.accepted_tokens
     phases = st_dev.to_dict()["spec"]["phase_ms_per_round"]
@@ -189,3 +213,44 @@ def test_refeed_bound(prompts, without_gdn_replay):
     _, widef = _generate(prompts, forced_acceptance=3.18, spec_refeed_max=12)
     assert narrow.spec.no_draft_rounds > 0 and widef.spec.no_draft_rounds < narrow.spec.no_draft_rounds
     assert widef.spec.tokens_per_round > narrow.spec.tokens_per_round
+
+
+@pytest.fixture
+def without_head_draft(monkeypatch):
+    """Engines opened while it is active behave as with a library built before the shortlisted head's device
+    functions (mtp_head_build / mtp_step_hd / mtp_prefill_hd)."""
+    from ninfer_mlc.runtime.executor.model_runner import ModelRunner
+
+    init = ModelRunner.__init__
+
+    def __init__(self, *a, **kw):
+        init(self, *a, **kw)
+        self.has_head_draft = False
+
+    monkeypatch.setattr(ModelRunner, "__init__", __init__)
+
+
+@pytest.mark.parametrize("head", ["600", "file"])
+def test_shortlisted_head_in_device_rounds(prompts, tmp_path, head):
+    """--lm-head-draft N or FILE: greedy rounds draft over the shortlisted head on the device (device_drafts), the
+    same drafts as host rounds (same draft and accepted counts) and the same output as no speculation."""
+    if head == "file":
+        path = tmp_path / "ids.txt"
+        path.write_text(" ".join(str(i) for i in range(0, 1900, 2)))  # even ids, whitespace separated
+        head = str(path)
+    base, _ = _generate(prompts, spec="none")
+    dev, st = _generate(prompts, lm_head_draft=head)
+    host, st_host = _generate(prompts, lm_head_draft=head, device_sampling="off")
+    assert dev == host == base
+    sp, hp = st.spec, st_host.spec
+    assert sp.device_rounds == sp.rounds > 0 and sp.device_drafts > 0 and hp.device_drafts == 0
+    assert (sp.draft_tokens, sp.accepted_tokens) == (hp.draft_tokens, hp.accepted_tokens)
+
+
+def test_shortlisted_head_with_an_older_library(prompts, without_head_draft):
+    """A library without the head's device functions drafts with the shortlist in host rounds (acceptance still on
+    the device), losslessly."""
+    base, _ = _generate(prompts, spec="none")
+    out, st = _generate(prompts, lm_head_draft="600")
+    assert out == base
+    assert st.spec.device_rounds == st.spec.rounds > 0 and st.spec.device_drafts == 0 and st.spec.draft_tokens > 0

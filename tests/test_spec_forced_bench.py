@@ -1,13 +1,16 @@
-"""bench/spec_forced.py's steady decode window (batch > 1 rows would otherwise mix other requests' prefill chunks
-into a request's decode rate)."""
+"""bench/spec_forced.py: the steady decode window (batch > 1 rows would otherwise mix other requests' prefill chunks
+into a request's decode rate), and the forced run end to end on the CPU with the shortlisted-head rows."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
-from spec_forced import steady_decode_rate  # noqa: E402
+from spec_forced import print_forced, run_forced, steady_decode_rate  # noqa: E402
+
+from ninfer_mlc.paths import default_model_dir  # noqa: E402
 
 
 def test_window_is_from_the_last_first_token_to_the_first_last_token():
@@ -25,3 +28,22 @@ def test_no_window_when_one_request_ends_before_another_starts_decoding():
     assert steady_decode_rate([[(0.0, 1), (1.0, 1)], [(2.0, 1), (3.0, 1)]]) is None
     assert steady_decode_rate([[(0.0, 1)], [(0.0, 1), (1.0, 1)]]) is None
     assert steady_decode_rate([]) is None
+
+
+def test_forced_run_with_the_shortlisted_head(capsys):
+    """run_forced on the embedded tiny model (no DFlash2 drafter): every MTP profile also runs with the shortlisted
+    head (--forced-lm-head-draft), labelled, its draft chains on the device and its output equal to host rounds'."""
+    res = run_forced(default_model_dir(), None, ctx=24, gen=10, batches=[1], deadline=time.time() + 600,
+                     device="cpu", log=lambda *_: None, lm_head_draft="600")
+    rows = {r["profile"]: r for r in res["rows"]}
+    assert set(rows) == {"none", "mtp3@3.18", "mtp3@3.18 host", "mtp3@3.18 head600", "mtp3@3.18 head600 host",
+                         "mtp3@3.4", "mtp3@3.4 host", "mtp3@3.4 head600", "mtp3@3.4 head600 host"}
+    assert res["lm_head_draft"] == "600" and not res["skipped"]
+    for label in ("mtp3@3.18 head600", "mtp3@3.4 head600"):
+        r, h = rows[label], rows[label + " host"]
+        assert r["lm_head_draft"] == "600" and r["head_on_device"] and r["head_rows"] >= 600
+        assert r["device_drafts"] > 0 and h["device_drafts"] == 0 and h["device_matches_host"]
+        assert "lm_head_draft" not in rows[label.split()[0]]  # the full-head row beside it
+    print_forced(res)
+    out = capsys.readouterr().out
+    assert "mtp3@3.18 head600" in out and "--lm-head-draft 600" in out and "on the device" in out

@@ -31,6 +31,7 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         chunked_delta_rule=_chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,
         gemv=None,  # decode projections stay relax matmuls (CUDA: kernels/cuda/gemv.py)
+        gemv_rows=None,  # the shortlisted MTP head stays a relax matmul (CUDA: gemv.py gemv_rows)
         rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
         gdn_prep=None,  # relax split / cast / L2 norm around the prefill conv (CUDA: kernels/cuda/gdn_prep.py)

@@ -19,6 +19,7 @@ from ...contract.pool_layout import PoolLayout
 from ..tvm_loader import device_for, import_tvm, load_vm
 from .cuda_graph import GraphedFunction, page_width_bucket
 from .device_rows import DeviceRows
+from .draft_head import DraftHead, draft_head_bytes
 from .host_copy import HostRead
 from .inputs import ChainInputs, SeqLike, StepInputs
 from .replay_inputs import ReplayInputs
@@ -63,6 +64,11 @@ class ModelRunner:
         self.has_gdn_replay = bool(self.has_verify and has("gdn_replay"))
         self.verify_gdn_rows: Any = None  # (qkvz_rows, ba_rows) of the last verify call (has_gdn_replay)
         self.has_mtp = bool(m.extras.get("mtp")) and bool(has("mtp_step") and has("mtp_prefill"))
+        # the shortlisted MTP head on the device (executor/draft_head.py): device draft chains over a shortlist.
+        # Older libraries draft with a shortlist in host rounds only (mtp_step_sl)
+        self.has_head_draft = self.has_mtp and bool(m.extras.get("mtp_head_draft")) and all(
+            has(f) for f in ("mtp_head_build", "mtp_step_hd", "mtp_prefill_hd"))
+        self.draft_head: Optional[DraftHead] = None  # set_draft_head
         # DFlash drafters: the tap layers prefill_t / verify_t return (compile --tap-layers)
         self.tap_layers = [int(i) for i in m.extras.get("tap_layers") or []]
         self.has_taps = bool(self.tap_layers) and bool(has("prefill_t") and has("verify_t"))
@@ -87,6 +93,7 @@ class ModelRunner:
         self.verify_graphs: Optional[GraphedFunction] = None  # speculative rounds: verify and MTP draft steps
         self.verify_t_graphs: Optional[GraphedFunction] = None  # verify with the tap layers (DFlash rounds)
         self.mtp_graphs: Optional[GraphedFunction] = None
+        self.mtp_hd_graphs: Optional[GraphedFunction] = None  # mtp_step_hd: draft chains with the shortlisted head
         self.replay_graphs: Optional[GraphedFunction] = None  # gdn_replay (rollback without a re-feed)
         self.replay_inputs: Optional[ReplayInputs] = None
         self._replay_generation = 0
@@ -142,15 +149,18 @@ class ModelRunner:
             total += sum(4 * n for n in packed)  # two fp4 codes per byte -> 2 bf16 bytes each
         return total
 
-    def auto_kv_tokens(self, num_slots: int, extra_page_bytes: int = 0, step_rows: int = 2048) -> int:
+    def auto_kv_tokens(self, num_slots: int, extra_page_bytes: int = 0, step_rows: int = 2048,
+                       extra_bytes: int = 0) -> int:
         """Tokens of KV that fit in the device memory left after weights, state slots, 1 GiB and the workspace of
         a step of step_rows tokens (the artifact's max_context on the CPU, where memory is not the pool's limit).
-        extra_page_bytes: pools that will be attached on the same page ids (a DFlash drafter's paged layers)."""
+        extra_page_bytes: pools that will be attached on the same page ids (a DFlash drafter's paged layers);
+        extra_bytes: other device memory made after the pools (the shortlisted MTP head: draft_head_bytes)."""
         free = int(getattr(self.dev, "available_global_memory", 0) or 0) if self.device_kind == "cuda" else 0
         if free <= 0:
             return self.manifest.max_context
         per_token = (self.layout.page_bytes + extra_page_bytes) / self.page_size
-        left = free - self.AUTO_HEADROOM - self.step_workspace_bytes(step_rows) - num_slots * self.layout.state_slot_bytes
+        left = free - self.AUTO_HEADROOM - self.step_workspace_bytes(step_rows) - \
+            num_slots * self.layout.state_slot_bytes - extra_bytes
         return max(self.manifest.max_context, int(left // per_token))
 
     def allocate(self, num_pages: int, num_slots: int, max_batch: int, cuda_graphs: Optional[bool] = None,
@@ -185,6 +195,8 @@ class ModelRunner:
                 self.verify_t_graphs = graphed("verify_t")
             if self.has_mtp:
                 self.mtp_graphs = graphed("mtp_step")
+            if self.has_head_draft:
+                self.mtp_hd_graphs = graphed("mtp_step_hd")
             if self.has_gdn_replay:
                 self.replay_graphs = graphed("gdn_replay")
         self._graph_generation = self.inputs.generation
@@ -558,21 +570,42 @@ class ModelRunner:
             return self._cut(out[0].numpy()), out[1].numpy()
         return out[0].numpy(), out[1].numpy()
 
+    # ---- the shortlisted proposal head on the device (executor/draft_head.py) -------------------
+    def draft_head_bytes(self, rows: int) -> int:
+        """Device bytes set_draft_head takes for a shortlist of `rows` ids (0 where the library has no such head)."""
+        if not self.has_head_draft:
+            return 0
+        return draft_head_bytes(rows, int(self.cfg["hidden_size"]), self.vocab_size, self.manifest.dtype)
+
+    def set_draft_head(self, ids: np.ndarray) -> bool:
+        """Build the shortlisted head (token ids `ids`) on the device for draft chains with head=True; False (and
+        nothing built) where the library lacks the head-draft functions: a shortlist then drafts in host rounds."""
+        if not self.has_head_draft:
+            return False
+        self.draft_head = DraftHead(self, ids)
+        if self.mtp_hd_graphs is not None:  # graphs bake in the head tensors' addresses
+            self.mtp_hd_graphs.reset()
+        return True
+
     def stage_draft_chain(self, items: list[tuple[SeqLike, np.ndarray, Sequence[int], int]], steps: int,
-                          uploads: Optional[UploadBatch] = None) -> tuple:
+                          uploads: Optional[UploadBatch] = None, head: bool = False) -> tuple:
         """Stage a round's MTP draft chain (run_draft_chain launches it): mtp_prefill over items (as
         mtp_prefill's: the pending hidden rows and their next tokens), then steps - 1 chained mtp_steps, step s
         putting each row at the position after the previous one. Every host->device copy of the chain happens
         here (TVM's waits for the device): its values join `uploads` (the round's verify joins them too; the
-        caller sends the batch before launching anything); default: sent now, in one copy."""
+        caller sends the batch before launching anything); default: sent now, in one copy.
+        head: draft with the shortlisted head (set_draft_head): mtp_prefill_hd / mtp_step_hd."""
         if not self.has_mtp or self.chain is None:
             raise RuntimeError(f"{self.art_dir.name} has no MTP head (recompile from a checkpoint with mtp.* weights)")
+        if head and self.draft_head is None:
+            raise RuntimeError("a draft chain with the shortlisted head needs set_draft_head first")
         lens = self._check_mtp_items(items, bounded=True)
         seqs = [s for s, _, _, _ in items]
         first = [p + n for n, (_, _, _, p) in zip(lens, items)]  # the first chained step's positions
         if steps > 1:
             self._check_mtp(seqs, [f + steps - 2 for f in first])
-        chain, graphs = self.chain, self.mtp_graphs  # its graphs under the tag "chain" (other input buffers)
+        chain = self.chain  # its graphs under the tag "chain" (other input buffers)
+        graphs = self.mtp_hd_graphs if head else self.mtp_graphs
         batch = self.upload_batch() if uploads is None else uploads
         args = chain.stage(seqs, first, steps - 1, batch, width_of=page_width_bucket if graphs is not None else None)
         hidden = np.concatenate([h for _, h, _, _ in items])
@@ -580,21 +613,30 @@ class ModelRunner:
         if uploads is None:
             batch.send()
         args[0] = chain.hidden_view(len(seqs), int(hidden.shape[1]))
-        if graphs is not None and chain.generation != self._chain_generation:
-            graphs.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
+        if chain.generation != self._chain_generation:
+            for g in (self.mtp_graphs, self.mtp_hd_graphs):
+                if g is not None:
+                    g.reset()  # the chain's buffers moved (rare: a longer chain, or the first)
             self._chain_generation = chain.generation
-        return steps, args, pre
+        return steps, args, pre, head
 
     def run_draft_chain(self, staged: tuple, choose):
         """Launch a staged chain; choose(logits) -> [b] int32 device tensor picks a step's drafts (spec/
         device_round.py DeviceArgmax); they and the step's output hidden feed the next step by device copies,
         nothing is read back, and replays are not waited for, so the steps run back to back. Returns the
         [steps, b] drafts view (valid until the next chain)."""
-        steps, args, pre = staged
-        chain, graphs = self.chain, self.mtp_graphs
+        steps, args, pre, head = staged
+        chain = self.chain
         assert chain is not None  # stage_draft_chain checked it
+        if head:  # the shortlisted head's weight and id -> row map, before the pool (compile/model.py mtp_step_hd)
+            assert self.draft_head is not None  # stage_draft_chain checked it
+            graphs, step_fn = self.mtp_hd_graphs, "mtp_step_hd"
+            persistent = [self.draft_head.weight, self.draft_head.pos, self.mtp_kv_pool, self.params]
+        else:
+            graphs, step_fn = self.mtp_graphs, "mtp_step"
+            persistent = [self.mtp_kv_pool, self.params]
         self._check_sent()
-        out = self.vm["mtp_prefill"](*pre, self.mtp_kv_pool, self.params)
+        out = self.vm["mtp_prefill_hd" if head else "mtp_prefill"](*pre, *persistent)
         # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
         choose(out[0]).copyto(chain.drafts_row(0))
         hid = out[1]
@@ -603,9 +645,9 @@ class ModelRunner:
             chain.positions_row(s).copyto(args[2])
             hid.copyto(args[0])
             if graphs is not None:
-                out = graphs(args, [self.mtp_kv_pool, self.params], wait=False, tag="chain")
+                out = graphs(args, persistent, wait=False, tag="chain")
             else:
-                out = self.vm["mtp_step"](*args, self.mtp_kv_pool, self.params)
+                out = self.vm[step_fn](*args, *persistent)
             hid = out[1]
             choose(out[0]).copyto(chain.drafts_row(s + 1))
         return chain.drafts_rows(steps)

@@ -288,6 +288,7 @@ class SpeculativeDecoder:
                 for _, st, k in drafting:
                     assert st.round is not None  # opened for every row
                     st.round.drafts, st.qs = [0] * k, [None] * k  # greedy: no draft distributions
+                self.counters.device_drafts += 1
                 argmax = self.argmax
                 return lambda: launch_device(staged, argmax)
         propose_greedy = getattr(self.proposer, "propose_greedy", None)
@@ -297,6 +298,7 @@ class SpeculativeDecoder:
                 for (_, st, _), d in zip(drafting, greedy):
                     assert st.round is not None  # opened for every row
                     st.round.drafts, st.qs = d, [None] * len(d)
+                self.counters.device_drafts += 1
                 return None
         drafts = self.proposer.propose(drafting, self._choose)
         for (req, st, _), d in zip(drafting, drafts):

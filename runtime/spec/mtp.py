@@ -36,6 +36,11 @@ def load_shortlist(spec: str, vocab_size: int, always: list[int]) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+def shortlist_rows(spec: str, vocab_size: int) -> int:
+    """At most how many ids load_shortlist selects for spec (its EOS ids join it: a few rows of slack)."""
+    return len(load_shortlist(spec, vocab_size, [])) + 8
+
+
 def _next_tokens(req, st: SpecState) -> list[int]:
     """The token after each pending MTP row (the head pairs h_i with token i + 1), read out of the request's
     history without copying all of it (a long context is thousands of tokens a round)."""
@@ -58,6 +63,9 @@ class MTPProposer:
                              "the artifact predates MTP support: recompile it)")
         self.runner, self.shortlist = runner, shortlist
         self.vocab = runner.sample_vocab
+        # device rounds draft over the shortlist with the head built on the device (executor/draft_head.py);
+        # a library without it keeps shortlisted drafting in host rounds
+        self.device_head = shortlist is not None and runner.set_draft_head(shortlist)
 
     def _dense(self, rows: np.ndarray) -> np.ndarray:
         if self.shortlist is None:
@@ -123,20 +131,22 @@ class MTPProposer:
     def stage_device(self, items, uploads=None):
         """propose() for plainly greedy rows with the chain on the device, part one: stage it (runner.
         stage_draft_chain; launch_device runs it), its inputs joining `uploads` (an executor UploadBatch the
-        caller sends before the launch; default: sent now). None when the chain cannot run there (a shortlisted
-        head, or rows with different draft counts): propose() then."""
+        caller sends before the launch; default: sent now). None when the chain cannot run there (a shortlist
+        the library cannot draft over on the device, or rows with different draft counts): propose() then."""
         ks = {k for _, _, k in items}
-        if self.shortlist is not None or len(ks) != 1:
+        if (self.shortlist is not None and not self.device_head) or len(ks) != 1:
             return None
         staged = self.runner.stage_draft_chain(
-            [(req.seq, st.mtp_hidden, _next_tokens(req, st), st.mtp_pos) for req, st, _ in items], ks.pop(), uploads)
+            [(req.seq, st.mtp_hidden, _next_tokens(req, st), st.mtp_pos) for req, st, _ in items], ks.pop(), uploads,
+            head=self.shortlist is not None)
         for req, st, _ in items:
             st.mtp_pos, st.mtp_hidden = pending_position(req, st), None
         return staged
 
     def launch_device(self, staged, argmax):
         """Part two: every step's drafts are the device's argmax (spec/device_round.py DeviceArgmax) and feed the
-        next step there; nothing is read back. Returns the [k, rows] device drafts for the verify to consume."""
+        next step there; nothing is read back. Returns the [k, rows] device drafts for the verify to consume.
+        With a shortlist the logits are -inf outside it, so the argmax is the host round's choice."""
         return self.runner.run_draft_chain(staged, lambda logits: argmax.run(logits)[0])
 
     def after_verify(self, req, st: SpecState, hidden: np.ndarray, kept: int, k: int, start: int) -> None:

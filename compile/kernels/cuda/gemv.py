@@ -23,6 +23,9 @@ one thread. The cost is independent of n <= 8 (unused B columns are zeros).
 Batches n > 8 take a second launch (host-side branch on n) with `big_tiles` 8-row batch tiles
 per pass (more accumulators, weights read once per pass of 8*big_tiles rows).
 Parameters: schedules/cuda_<arch>.json "kernels.gemv" (registry.DEFAULT_KERNELS).
+gemv_rows: the same kernel (epilogue "none") over a weight whose row count m is a run-time shape (the shortlisted MTP
+head, compile/model.py mtp_step_hd): grid ceil(m / 16) tiles, every row predicated, warps per block and launch
+bounds planned for m = ROWS_PLAN.
 
 FMA path (float32 weights, or K % 8 != 0): 4 weight rows x 8 batch rows per block, lanes stride
 over K (coalesced scalar loads), warp-shuffle then shared-memory reduction; any n in passes of 8.
@@ -64,6 +67,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 EPILOGUES = ("none", "residual", "silu_mul")
@@ -331,25 +335,29 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 
 # ---------------------------------------------------------------------------------------------
 def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms,
-             rolled=False):
+             rolled=False, o_plan=None):
     """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch).
     rolled: the warp-iteration loop under `#pragma unroll 1` (nvcc otherwise unrolls short loops, e.g. K = 2048's 16
     iterations, and ptxas then interleaves later iterations' loads with earlier mma.sync instead of issuing each
-    iteration's loads at once as in the rolled loop of long K; a bench variant, bench/gemv_gpu_check.py)."""
+    iteration's loads at once as in the rolled loop of long K; a bench variant, bench/gemv_gpu_check.py).
+    O may be a tirx Var (gemv_rows: weight rows known at run time); the warps per block and launch bounds are then
+    those of O = o_plan, and every row is predicated."""
     silu = epilogue == "silu_mul"
+    symbolic = not isinstance(O, int)
+    plan = int(o_plan) if symbolic else O
     U = unroll
     OO = O // 2 if silu else O
     TILES = (OO + 7) // 8 if silu else (O + 15) // 16
     KU = K // 2  # uint32 words per row
     KC = 32 * U  # K elements per warp iteration
     ITS = (K + KC - 1) // KC
-    NW = mma_warps(K, O, epilogue, unroll=U, min_warps=min_warps, max_warps=max_warps, target_warps=target_warps)
+    NW = mma_warps(K, plan, epilogue, unroll=U, min_warps=min_warps, max_warps=max_warps, target_warps=target_warps)
     NIT = (ITS + NW - 1) // NW
     iter_ann = {"disable_unroll": 1} if rolled else None
     NT = 32 * NW
-    min_blocks = resident_blocks(TILES, NT, sms)
+    min_blocks = resident_blocks((plan // 2 + 7) // 8 if silu else (plan + 15) // 16, NT, sms)
     k_pred = K % KC != 0 or ITS % NW != 0
-    row_pred = (OO % 8 != 0) if silu else (O % 16 != 0)
+    row_pred = symbolic or ((OO % 8 != 0) if silu else (O % 16 != 0))
     mma_name, mma_src = _mma_source(dtype)
 
     row_lo, row_hi, lo_ok, hi_ok = _mma_rows(O, epilogue)
@@ -947,6 +955,32 @@ def gemv_nvfp4(in_features: int, out_features: int, dtype: str, out_dtype: str |
     return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue, "nvfp4"))
 
 
+# weight rows gemv_rows plans its launch for (the shortlisted MTP head of a 27B model: 32768 ids x 5120)
+ROWS_PLAN = 32768
+
+
+@lru_cache(maxsize=None)
+def gemv_rows(in_features: int, dtype: str, out_dtype: str | None = None, *, rows_plan: int = ROWS_PLAN,
+              unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
+              sms: int = 132, rolled: bool | None = None, **_unused):
+    """gemv (epilogue "none") over a weight whose row count is known only at run time: prim_func(x[n, in],
+    w[m, in], out[n, m]) with m symbolic, or None where the tensor-core path does not apply (the caller keeps a
+    matmul). Why: a runtime-chosen weight (the MTP head's shortlisted rows, runtime/spec/mtp.py) read at the copy
+    rate like lm_head. The tensor-core kernel with m rows predicated; its warps per block and launch bounds are
+    planned for m = rows_plan (the grid follows m)."""
+    K = int(in_features)
+    out_dtype = out_dtype or dtype
+    if dtype not in _MMA_TYPES or K % 8 or not supported(K, 1, dtype, out_dtype, "none"):
+        return None
+    rolled = K <= ROLLED_MAX_K if rolled is None else rolled
+    m = tirx.Var("m", "int64")
+    run = _mma_run(K, m, dtype, out_dtype, "none", unroll=unroll, min_warps=min_warps, max_warps=max_warps,
+                   target_warps=target_warps, big_tiles=big_tiles, sms=sms, rolled=rolled, o_plan=rows_plan)
+    od = "" if out_dtype == dtype else f"_{_SHORT[out_dtype]}"
+    return _entry(K, m, m, dtype, out_dtype, False, False, run).with_attr(
+        "global_symbol", f"gemv_rows_{K}_{_SHORT[dtype]}{od}")
+
+
 @lru_cache(maxsize=None)
 def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None, epilogue: str = "none", *,
          unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
@@ -1030,6 +1064,6 @@ def launch_config_nvfp4(in_features: int, out_features: int, dtype: str, epilogu
             f"{16 * big_row_tiles} rows x {128 * big_unroll} k{bpf}")
 
 
-__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "gemv", "gemv_nvfp4", "nvfp4_row_tiles", "nvfp4_shape_params",
+__all__ = ["EPILOGUES", "NVFP4_DEFAULTS", "ROWS_PLAN", "gemv", "gemv_nvfp4", "gemv_rows", "nvfp4_row_tiles", "nvfp4_shape_params",
            "launch_config", "launch_config_nvfp4", "mma_warps", "nvfp4_grid", "nvfp4_supported", "resident_blocks",
            "supported", "symbol"]

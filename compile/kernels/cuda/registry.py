@@ -136,6 +136,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         short_delta_rule=gdn.short_delta_rule,
         # gemv(in, out, dtype, out_dtype=None, epilogue="none") -> prim_func or None (decode projections)
         gemv=partial(gemv_kernels.gemv, **p["gemv"]),
+        # gemv_rows(in, dtype, out_dtype=None) -> gemv over a weight of run-time rows (the shortlisted MTP head)
+        gemv_rows=partial(gemv_kernels.gemv_rows, **p["gemv"]),
         # rms_norm(dim, dtype, eps) -> one-launch RMSNorm over the last axis (every function)
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch

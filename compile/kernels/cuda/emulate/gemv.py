@@ -58,6 +58,43 @@ EMU_NVFP4_CASES: list[tuple[int, int, str, str, str, dict[str, Any]]] = [
 ]
 
 
+# gemv_rows (weight rows known at run time): (K, dtype, out dtype, params), each run at several (m, n)
+EMU_ROWS_CASES = [
+    (1024, "bfloat16", "float32", {}),  # the shortlisted MTP head's contract: bf16 in, fp32 logits
+    (256, "float16", "float16", {"target_warps": 1}),
+    (5120, "bfloat16", "float32", {"rows_plan": 16}),  # planned for few rows: 8 warps split K
+]
+EMU_ROWS_SHAPES = [(40, 1), (7, 3), (64, 8), (48, 13)]  # (m, n): m % 16 != 0, m < 16, n on both launch sides
+
+
+def run_rows_emulation(log=print) -> list[dict]:
+    """The EMU_ROWS_CASES gemv_rows kernels in one emulator at every EMU_ROWS_SHAPES (m, n)."""
+    from .. import gemv as G
+    from .lib import EmuLib
+
+    funcs, meta = {}, []
+    for i, (k, dt, odt, prm) in enumerate(EMU_ROWS_CASES):
+        f = G.gemv_rows(k, dt, odt, **{**default_params(), **prm})
+        sym = f"emu{i}_" + str(f.attrs["global_symbol"])
+        funcs[sym] = f.with_attr("global_symbol", sym)
+        meta.append((sym, k, dt, odt, prm))
+    lib = EmuLib(funcs)
+    rows = []
+    for sym, k, dt, odt, prm in meta:
+        for m, n in EMU_ROWS_SHAPES:
+            rng = np.random.default_rng(m * 100 + n)
+            x = rng.standard_normal((n, k)).astype(np_dtype(dt))
+            w = (rng.standard_normal((m, k)) * k ** -0.5).astype(np_dtype(dt))
+            y = np.full((n, m), np.nan, np.float32).astype(np_dtype(odt))
+            lib(sym, dict(x=x, w=w, out=y))
+            ref = reference(x.astype(np.float32), w.astype(np.float32), None, "none", dt, odt, round_to)
+            err = rel_err(y.astype(np.float32), ref)
+            row = dict(K=k, dtype=dt, out_dtype=odt, params=prm, m=m, n=n, rel_err=err, ok=bool(err <= TOL[odt]))
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
 def default_params() -> dict:
     """gemv keyword arguments of the kernel registry's defaults."""
     from ..registry import DEFAULT_KERNELS
