@@ -78,6 +78,14 @@ Three launches inside the one prim_func (stream order is the barrier between the
      registers before the mma work on the current tile and dequantizes them into the other bf16
      shared buffer after it (exact: codes to f16 by the split path's helpers, to fp32, x the fp8 row
      scale, packed to bf16).
+  2''. verify attend (paged_attention(short_rows=True): the kernel set's verify_attention, which verify / verify_t
+     take under short_rows_scope; bf16 / f16 pages of the activation dtype, D % 64 == 0; every call, no prefill
+     branch): grid (b, Hkv, nsplit) x 128 threads, the prefill launch's shared memory. A block takes ALL the rows
+     of its sequence (tokens found in the sorted tseq; rows (token, head of its KV head) in 64-row tiles, a warp
+     per 16) and reads each 32-position K/V tile of its split once for them, where the split attend reads it once
+     per token: same K/V tiles and mma tile math as the prefill launch (attention_tile.py), causal mask per row,
+     flash-decoding split over the context (nsplit = clamp(ceil(target_blocks / (b Hkv)), 1, p page / 64)) with
+     the combine below (attention_verify.py).
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
