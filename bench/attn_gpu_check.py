@@ -2,9 +2,10 @@
 
   prep OUT [--arch sm_90] [--no-baseline] [--no-variants]        (here: compiler + nvcc, no GPU)
       OUT/attn.so     the attention prim_funcs of every case: `new_<tag>` (the current kernel, registry
-                      defaults), `old_<tag>` (compile/kernels/cuda/attention.py at git HEAD, for the
-                      timing baseline; skipped when it cannot be loaded) and `v_<variant>` (other
-                      threads / target_blocks / qb of the bf16 27B kernel, timed only)
+                      defaults), `vf_<tag>` (its verify attention, bf16 / f16 pages), `old_<tag>`
+                      (compile/kernels/cuda/attention.py at git HEAD, for the timing baseline; skipped when it
+                      cannot be loaded), `v_<variant>` (other threads / target_blocks / qb of the bf16 27B
+                      kernel, timed only) and `vf_tb<N>` (the bf16 verify attend at other split targets)
       OUT/attn.json   the cases: shapes, rows, seeds and function names (a few KB; every array is
                       regenerated from its seed on the GPU)
   run OUT RESULT.json [--only SUBSTR,...] [--skip-variants] [--budget-s 90] [--reps 30]   (GPU machine)
@@ -15,6 +16,10 @@
       20 back-to-back calls (what the model runner replays), eager wall time per call, and the CUPTI
       kernel times (append / attend / combine). GB/s = K/V bytes the call must read / time. Prints a
       table last. `--cpu-emulate` runs the same flow for small cases on the CPU emulator (no GPU).
+      `--only verify`: the verify cases (b in 1, 4 sequences of R = 4 / 8 rows at 8k, b = 8 x 8 rows, R = 4 at
+      32k): the verify attend (vf_bf16, what verify / verify_t run; and the vf_tb<N> split targets) against the
+      split attend (new_bf16, before: one token per block; b = 8 x 8 = 64 rows took its prefill launch), each
+      output checked against the float64 reference (rel_err of the others in their timing rows).
   emulate [SUBSTR ...]                                            (here, no GPU)
       runs the generated CUDA of the small cases on the CPU: TVM lowers the prim_func (CSE off), the
       CUDA source is compiled with g++ against a tiny fiber emulator (one fiber per CUDA thread;
@@ -62,6 +67,8 @@ VARIANTS = {
     "simt": dict(threads=128, target_blocks=264, mma=False),
     "simt_qb8": dict(threads=128, target_blocks=264, mma=False, qb=8),
 }
+# other split targets of the bf16 verify attend (timed in the verify cases)
+VF_VARIANTS = {"vf_tb132": 132, "vf_tb528": 528, "vf_tb1056": 1056}
 # tags with an old_<tag> baseline (timed cases)
 BASELINE_TAGS = ("bf16", "fp8", "nvfp4")
 
@@ -83,11 +90,14 @@ def kernel_funcs(baseline: bool = True, variants: bool = True, tags=None) -> dic
     bf16 variants."""
     from ninfer_mlc.compile.kernels.cuda import attention as A
 
-    funcs = new_kernel_funcs(tags)
+    funcs = new_kernel_funcs(tags, verify=True)
     if variants and (tags is None or "bf16" in tags):
         geo, dt, kv = FUNCS["bf16"]
         for vn, kw in VARIANTS.items():
             funcs[f"v_{vn}"] = A.paged_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5, kv_dtype=kv, **kw)
+        for vn, tb in VF_VARIANTS.items():
+            funcs[vn] = A.paged_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5, kv_dtype=kv, target_blocks=tb,
+                                          short_rows=True)
     if baseline:
         base = _baseline_module()
         if base is not None:
@@ -272,7 +282,7 @@ class _Emu:
         import torch
 
         self.torch = torch
-        self.emu = EmuLib(new_kernel_funcs(tags))
+        self.emu = EmuLib(new_kernel_funcs(tags, verify=True))
 
     def bind(self, m, q, k, v, pos, tseq, pt, pool_t):
         torch = self.torch
@@ -318,7 +328,7 @@ def cmd_run(a) -> int:
     for m in cases:
         name = m["name"]
         hq, hkv, d = m["geo"]
-        row = {"rows": m["rows"], "tag": m["tag"]}
+        row = {"rows": m["rows"], "tag": m["tag"], "func": m["func"], "compare": m.get("compare")}
         try:
             pos, tseq, pt = case_tokens(m)
             q, k, v = case_qkv(m)
@@ -384,8 +394,12 @@ def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
     torch, dev = be.torch, be.dev
     # (the old quantized prefill runs the SIMT path over the whole context per token: timed at 2k only)
     slow_old = m["quant"] and "_pf_" in m["name"] and not m["name"].endswith("_pf_2k")
-    fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs and not slow_old]
-    if m["tag"] == "bf16" and not a.skip_variants and time.time() - t_start < a.budget_s and "_pf_" not in m["name"]:
+    if m.get("compare"):  # verify cases: the verify attend against the split attend (today's per-row kernel)
+        fns = [m["func"], m["compare"]] + [fn for fn in VF_VARIANTS if fn in funcs and m["tag"] == "bf16"]
+    else:
+        fns = [m["func"]] + [fn for fn in (f"old_{m['tag']}",) if fn in funcs and not slow_old]
+    if (m["tag"] == "bf16" and not m.get("compare") and not a.skip_variants and time.time() - t_start < a.budget_s
+            and "_pf_" not in m["name"]):
         fns += [fn for fn in sorted(funcs) if fn.startswith("v_")]
     timing = {}
     for fn in fns:
@@ -425,6 +439,10 @@ def _time_case(a, be, m, args, ref, funcs, bytes_read, bw, t_start) -> dict:
 def _splits(m: dict, meta: dict, n: int, width: int) -> int:
     """Split count of the case's default kernel (registry threads / target_blocks at prep time)."""
     kp = meta.get("kernel_params", {})
+    if m.get("verify"):
+        from ninfer_mlc.compile.kernels.cuda.attention_verify import verify_splits
+
+        return verify_splits(len(m["rows"]), width, m["geo"][1], PAGE, kp.get("target_blocks", 264))
     return _attn_splits(n, width, m["geo"][1], kp.get("threads", 128), kp.get("target_blocks", 264))
 
 
@@ -445,13 +463,15 @@ def _np_bytes(a: np.ndarray) -> np.ndarray:
 
 def _print_table(res: dict) -> None:
     print("\ncase                      err      new(us)  old(us)  speedup  new GB/s  %copy  TFLOP/s new/old  best variant (us)")
+    if any(r.get("compare") for r in res["cases"].values()):
+        print("(verify_* rows: new = the verify attend vf_<tag>, old = the split attend new_<tag> the call took before)")
     for name, r in res["cases"].items():
         if "error" in r:
             print(f"{name:24s}  ERROR")
             continue
         t = r.get("timing") or {}
-        new = next((v for k, v in t.items() if k.startswith("new_")), None)
-        old = next((v for k, v in t.items() if k.startswith("old_")), None)
+        new = t.get(r.get("func") or "") or next((v for k, v in t.items() if k.startswith("new_")), None)
+        old = t.get(r.get("compare") or "") or next((v for k, v in t.items() if k.startswith("old_")), None)
 
         def us(x):
             return (x.get("graph_us") or x.get("eager_us")) if x else None
@@ -471,7 +491,7 @@ def cmd_emulate(a) -> int:
     sel = [m for m in all_cases() if (any(s in m["name"] for s in a.names) if a.names else m["name"].startswith(("emu_", "f32tiny")))]
     tags = sorted({m["tag"] for m in sel})
     t0 = time.time()
-    lib = EmuLib(new_kernel_funcs(tags))
+    lib = EmuLib(new_kernel_funcs(tags, verify=True))
     print(f"emulator built ({', '.join(tags)}) in {time.time() - t0:.1f}s", flush=True)
     ok = True
     for m in sel:

@@ -103,7 +103,8 @@ class Weight(nn.Module):
 
 
 # True while a function whose sequences have few rows each (verify, verify_t, gdn_replay) is traced: GDN runs the
-# kernel set's short_delta_rule (row by row, the state in registers) instead of the chunked form where it has one
+# kernel set's short_delta_rule (row by row, the state in registers) instead of the chunked form where it has one,
+# full attention the kernel set's verify_attention (a block per sequence reads its K/V once for all its rows)
 _SHORT_ROWS: contextvars.ContextVar = contextvars.ContextVar("ninfer_short_rows", default=False)
 
 
@@ -275,8 +276,14 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(dh, cfg.rms_norm_eps)
         self.kernel = kernels.paged_attention(hq, hkv, dh, PAGE_SIZE, n_layers or len(cfg.attn_layers), dtype,
                                               dh ** -0.5)
+        verify = getattr(kernels, "verify_attention", None)
+        self.short_kernel = verify(hq, hkv, dh, PAGE_SIZE, n_layers or len(cfg.attn_layers), dtype,
+                                   dh ** -0.5) if verify else None
         if n_layers is not None:  # the MTP head's kernel (another pool shape) needs its own symbol
             self.kernel = self.kernel.with_attr("global_symbol", "attn_mtp")
+        if self.short_kernel is not None:
+            self.short_kernel = self.short_kernel.with_attr(
+                "global_symbol", "attn_mtp_verify" if n_layers is not None else "attn_verify")
 
     def forward(self, x, rope, positions, token_seq, page_table, kv_pool, residual=None, rope_positions=None):
         """residual: return residual + attention(x) (fused into o_proj by the decode GEMV).
@@ -296,8 +303,9 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(k), rp, inv_freq, factor, cfg.rotary_dim, "rope_k", section)
         if self.kv_hadamard:  # rotate Q and K after RoPE (QK^T unchanged); V stays unrotated
             q, k = _hadamard(q, dh), _hadamard(k, dh)
+        short = _SHORT_ROWS.get() and self.short_kernel is not None
         kv_pool, o = op.tensor_ir_inplace_op(
-            self.kernel, "paged_attention",
+            self.short_kernel if short else self.kernel, "paged_attention_verify" if short else "paged_attention",
             [q, k, v, positions, token_seq, page_table, kv_pool, _i32(self.slot)],
             [6, -1], [kv_pool, nn.Tensor.placeholder((n, hq, dh), self.dtype)],
         )

@@ -78,6 +78,14 @@ Three launches inside the one prim_func (stream order is the barrier between the
      registers before the mma work on the current tile and dequantizes them into the other bf16
      shared buffer after it (exact: codes to f16 by the split path's helpers, to fp32, x the fp8 row
      scale, packed to bf16).
+  2''. verify attend (paged_attention(short_rows=True): the kernel set's verify_attention, which verify / verify_t
+     take under short_rows_scope; bf16 / f16 pages of the activation dtype, D % 64 == 0; every call, no prefill
+     branch): grid (b, Hkv, nsplit) x 128 threads, the prefill launch's shared memory. A block takes ALL the rows
+     of its sequence (tokens found in the sorted tseq; rows (token, head of its KV head) in 64-row tiles, a warp
+     per 16) and reads each 32-position K/V tile of its split once for them, where the split attend reads it once
+     per token: same K/V tiles and mma tile math as the prefill launch (attention_tile.py), causal mask per row,
+     flash-decoding split over the context (nsplit = clamp(ceil(target_blocks / (b Hkv)), 1, p page / 64)) with
+     the combine below (attention_verify.py).
   3. combine: grid (n, Hq) x 256 threads (a single idle block if nsplit = 1): every warp reduces the
      splits' (max, sum) pairs with shuffles, warp 0 stores the split weights in shared memory, the
      warps sum interleaved partial rows (8 in flight per lane) and add up through shared memory.
@@ -108,6 +116,8 @@ from ..attention_quant import (
     FP8_ROW_PAD, QUANT_KV_DTYPES, e2m1_decode, e2m1_encode, e4m3_decode, e4m3_decode_abs, e4m3_encode,
     e4m3_encode_abs, kv_row, pow2_from_e8m0,
 )
+from .attention_tile import tile_load_src, tile_math_src
+from .attention_verify import VF_BKV, VF_MIN_TILES, VF_NT, verify_applies, verify_source
 from .fp4_mma import a_frag, b_frag, mma_nvf4_source, row_encode_scale, sfa_row
 
 NEG_BIG = -3.0e38
@@ -516,6 +526,8 @@ def prefill_source(name: str, n_heads: int, n_kv: int, head_dim: int, page_size:
       } else {
         ninfer_attn_cp_wait0();
       }"""
+    tile = tile_math_src(D, BKV, SROW, mma_fn, pack_fn, scale2, "mask: position <= the row's, row of this sequence")
+    load = tile_load_src(D, PS, NL, HKV, BKV, SROW, NT, "the sequence's length")
     return f"""
 // NINFER_ATTN_SRC_BEGIN (kept by the CPU emulator, compile/kernels/cuda/emulate)
 __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* __restrict__ poolv,
@@ -567,95 +579,13 @@ __device__ __forceinline__ void {name}(const void* __restrict__ qv, const void* 
     for (int j = it; j <= i_hi; ++j) if (tseq[j] == sq) lmax = max(lmax, pos[j] + 1);
     const int* ptr = pt + (long long)sq * p;
     const int nkv = (lmax + {BKV - 1}) / {BKV};{qtile}
-    auto load = [&](int t) {{
-      const int t0 = t * {BKV};
-      const long long base = (((long long)ptr[t0 / {PS}] * {NL} + layer) * {2 * HKV} + kvh) * {PS * D};
-      unsigned char* dk = sK + (t & 1) * {BKV * SROW};
-      unsigned char* dv = sV + (t & 1) * {BKV * SROW};
-      for (int c = tid; c < {BKV * (D // 8)}; c += {NT}) {{
-        const int r = c / {D // 8}, ch = c % {D // 8};
-        // positions past the sequence's length: its last row (finite values, masked)
-        const unsigned short* src = pool + base + (long long)(t0 % {PS} + min(r, lmax - 1 - t0)) * {D} + ch * 8;
-        ninfer_attn_cp16(dk + r * {SROW} + ch * 16, src);
-        ninfer_attn_cp16(dv + r * {SROW} + ch * 16, src + vofs);
-      }}
-      ninfer_attn_cp_commit();
-    }};
+{load}
     bool act[2];
     for (int rr = 0; rr < 2; ++rr) act[rr] = rok[rr] && rseq[rr] == sq;
 {first_tile}
     for (int t = 0; t < nkv; ++t) {{{next_tile}
       __syncthreads();
-      const unsigned char* kb = sK + (t & 1) * {BKV * SROW};
-      const unsigned char* vb = sV + (t & 1) * {BKV * SROW};
-      // S = Q K^T (16 rows x 32 positions per warp)
-      float s[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < {D // 16}; ++kk) {{
-        unsigned a[4];
-        ninfer_attn_ldsm_x4(a, sQ + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + kk * 32 + (lane >> 4) * 16);
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {{
-          unsigned b[4];
-          ninfer_attn_ldsm_x4(b, kb + (np * 16 + (lane & 7) + (lane >> 4) * 8) * {SROW} + kk * 32 + ((lane >> 3) & 1) * 16);
-          {mma_fn}(s[2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
-          {mma_fn}(s[2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
-        }}
-      }}
-      // online softmax (base 2) of rows gq, gq + 8; mask: position <= the row's, row of this sequence
-      unsigned pa[2][4];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {{
-        float mx = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {{
-            const int kp = t * {BKV} + 8 * j + 2 * tq + e;
-            const float x = (act[rr] && kp <= rpos[rr]) ? s[j][2 * rr + e] * {scale2!r}f : -INFINITY;
-            s[j][2 * rr + e] = x;
-            mx = fmaxf(mx, x);
-          }}
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mn = fmaxf(m[rr], mx);
-        const float al = exp2f(m[rr] - mn);
-        m[rr] = mn;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {{
-            const float pv = exp2f(s[j][2 * rr + e] - mn);
-            s[j][2 * rr + e] = pv;
-            sum += pv;
-          }}
-        l[rr] = l[rr] * al + sum;
-#pragma unroll
-        for (int d = 0; d < {D // 8}; ++d) {{
-          o[d][2 * rr] *= al;
-          o[d][2 * rr + 1] *= al;
-        }}
-      }}
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {{
-        pa[kk][0] = {pack_fn}(s[2 * kk][0], s[2 * kk][1]);
-        pa[kk][1] = {pack_fn}(s[2 * kk][2], s[2 * kk][3]);
-        pa[kk][2] = {pack_fn}(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        pa[kk][3] = {pack_fn}(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      }}
-      // O += P V (V fragments by ldmatrix.trans)
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-        for (int dp = 0; dp < {D // 16}; ++dp) {{
-          unsigned b[4];
-          ninfer_attn_ldsm_x4_t(b, vb + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * {SROW} + dp * 32 + (lane >> 4) * 16);
-          {mma_fn}(o[2 * dp], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[0], b[1]);
-          {mma_fn}(o[2 * dp + 1], pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], b[2], b[3]);
-        }}{store_next}
+{tile}{store_next}
       __syncthreads();
     }}
   }}
@@ -684,6 +614,7 @@ def paged_attention(
     n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str, sm_scale: float,
     kv_dtype: str | None = None, *, threads: int = 128, target_blocks: int = 264, qb: int | None = None,
     mma: bool | None = None, prefill: bool | None = None, prefill_min: int = PF_MIN_ROWS, fp4_qk: bool = False,
+    short_rows: bool = False,
 ):
     """kv_dtype: page dtype (None = dtype); float32 / bfloat16 / float16 pages, or the quantized
     uint8 page rows fp8 / nvfp4 (same layout and bytes as the llvm kernel). threads: block size of
@@ -692,7 +623,9 @@ def paged_attention(
     applies, i.e. bf16 / f16 pages with the same activation dtype); prefill: calls with n >= prefill_min
     tokens take the FlashAttention-2 attend launch (None: wherever prefill_applies); fp4_qk: the split attend
     launch computes Q K^T on the sm_120a block-scaled FP4 tensor cores wherever fp4_qk_applies (the kernel set
-    asks for it on cuda:sm_120 with nvfp4 pages; the code only assembles for sm_120a / sm_121a)."""
+    asks for it on cuda:sm_120 with nvfp4 pages; the code only assembles for sm_120a / sm_121a); short_rows: the
+    verify attend launch (attention_verify.py: a block per sequence, KV head and split takes all the sequence's
+    rows) for every call instead of the split / prefill attends (calls with few rows per sequence: verify)."""
     kv_dt = kv_dtype or dtype
     quant = kv_dt in QUANT_KV_DTYPES
     if not quant and kv_dt not in ("float32", "bfloat16", "float16"):
@@ -767,7 +700,11 @@ def paged_attention(
     APPEND_T = min(D, 256)
     neg_big = NEG_BIG
     pf_ok = prefill_applies(n_heads, n_kv, head_dim, dtype, kv_dt)
-    PF = bool(prefill) if prefill is not None else pf_ok
+    SR = bool(short_rows)
+    if SR and not verify_applies(n_heads, n_kv, head_dim, dtype, kv_dt):
+        raise ValueError(f"the verify attend needs {dtype} == KV dtype in (bfloat16, float16) and head_dim % 64 == 0 "
+                         f"(got {kv_dt}, {head_dim})")
+    PF = (bool(prefill) if prefill is not None else pf_ok) and not SR
     if PF and not pf_ok:
         raise ValueError(f"the prefill path needs {dtype} == KV dtype in (bfloat16, float16), or fp8 / nvfp4 KV under "
                          f"bfloat16, and head_dim % 64 == 0 (got {kv_dt}, {head_dim})")
@@ -782,6 +719,10 @@ def paged_attention(
               + (prefill_source(PF_NAME, n_heads, n_kv, D, PS, n_layers, dtype, float(sm_scale) * LOG2E,
                                 kv_dt if quant else None) if PF else ""))
     scale2 = float(sm_scale) * LOG2E
+    VF_NAME = PF_NAME.replace("ninfer_attn_prefill_", "ninfer_attn_verify_")
+    VF_SRC = (_PF_HELPERS[dtype] + LDSM_SRC[False][1] + LDSM_SRC[True][1] + CP_SRC + verify_source(
+        VF_NAME, n_heads, n_kv, D, PS, n_layers, scale2, _MMA_SRC[dtype][0].replace("ninfer_attn_mma_", "ninfer_attn_pf_mma_"),
+        _PACK_SRC[dtype][0].replace("ninfer_attn_pack_", "ninfer_attn_pf_pack_"), NEG_BIG)) if SR else ""
 
     def load(pool, pg, layer, c, h, slot, d):
         """fp32 value of element d of a page row (dequantized for fp8 / nvfp4)."""
@@ -819,15 +760,19 @@ def paged_attention(
         """fp32 K (c=0) or V (c=1) element of this call."""
         return T.if_then_else(c == 0, T.Cast("float32", k[i, h, d]), T.Cast("float32", v[i, h, d]))
 
-    def _nsplit(n, p):
-        """int32 number of KV splits; n, p are the int64 shape vars."""
+    def _nsplit(n, p, b):
+        """int32 number of KV splits; n, p, b are the int64 shape vars."""
+        if SR:  # verify attend: a block per (sequence, KV head, split); attention_verify.verify_splits
+            nb = T.Cast("int32", b) * n_kv
+            cap = T.max(T.truncdiv(T.Cast("int32", p) * (PS // VF_BKV), VF_MIN_TILES), 1)
+            return T.max(1, T.min(T.truncdiv(target_blocks + nb - 1, nb), cap))
         nk = T.Cast("int32", n) * n_kv
         cap = T.max(T.truncdiv(T.Cast("int32", p) * CPP, W), 1)
         ns = T.max(1, T.min(T.truncdiv(target_blocks + nk - 1, nk), cap))
         return T.Select(n >= PF_MIN, 1, ns) if PF else ns  # the prefill path has no splits
 
-    def _ws_size(n, p, per):
-        ns = T.Cast("int64", _nsplit(n, p))
+    def _ws_size(n, p, b, per):
+        ns = T.Cast("int64", _nsplit(n, p, b))
         return T.Select(ns > 1, n * n_heads * ns * per, T.int64(1))
 
     QF = 3 * NKC + 1 if MMAF4 else 4  # Q fragment registers (fp4_qk: codes, scale words, 1/enc of head gid)
@@ -889,9 +834,9 @@ def paged_attention(
         """the lane's 8-column group (16-byte unit of a bf16 row) of column group q0."""
         return 4 * gid + q0 if MMAQ else 8 * q0 + gid
 
-    def _ws(i, h, s, n, p):
+    def _ws(i, h, s, n, p, b):
         """int64 flat index of (token i, q head h, split s) in the workspace (times per-entry size)."""
-        return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p)) + T.Cast("int64", s)
+        return (i * n_heads + h) * T.Cast("int64", _nsplit(n, p, b)) + T.Cast("int64", s)
 
     @T.macro
     def quad_running_max(sc, tm, st, k):
@@ -905,13 +850,13 @@ def paged_attention(
         st[k] = tm[0]
 
     @T.macro
-    def attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov):
+    def attend_split(n, p, b, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov):
         # the split attend launch (decode, few rows, other page formats) ------------------------------------------
         if MMA:
             # tensor-core path (bf16 / f16 pages of the activation dtype), see the module docstring
             for i in T.thread_binding(n, thread="blockIdx.x"):
                 for g in T.thread_binding(n_kv, thread="blockIdx.y"):
-                    for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
+                    for s in T.thread_binding(_nsplit(n, p, b), thread="blockIdx.z"):
                         for tx in T.thread_binding(NT, thread="threadIdx.x"):
                             qf = T.alloc_buffer((QF,), "uint32", scope="local")
                             qsm = T.alloc_buffer((8 * QROW,), "uint32", scope="shared")
@@ -935,7 +880,7 @@ def paged_attention(
                             tig = lane % 4
                             L = pos[i] + 1
                             nch = (L + CHUNK - 1) // CHUNK
-                            cps = (nch + _nsplit(n, p) - 1) // _nsplit(n, p)
+                            cps = (nch + _nsplit(n, p, b) - 1) // _nsplit(n, p, b)
                             c_lo = s * cps
                             c_hi = T.min(c_lo + cps, nch)
                             row = tseq[i]
@@ -1258,7 +1203,7 @@ def paged_attention(
                             if w == 0:
                                 for hb in T.unroll(2):
                                     if 2 * tig + hb < G:
-                                        if _nsplit(n, p) == 1:
+                                        if _nsplit(n, p, b) == 1:
                                             for q0 in T.unroll(NQ):
                                                 for j in T.unroll(4):
                                                     for r in T.unroll(2):
@@ -1274,16 +1219,16 @@ def paged_attention(
                                                         sc[_ocol(j, r)] = acc[(q0 * 4 + j) * 4 + 2 * r + hb]
                                                 for v0 in T.unroll(8 // CVEC):
                                                     for e in T.vectorized(CVEC):
-                                                        ws_ov[_ws(i, g * G + 2 * tig + hb, s, n, p) * (D // CVEC)
+                                                        ws_ov[_ws(i, g * G + 2 * tig + hb, s, n, p, b) * (D // CVEC)
                                                               + T.Cast("int64", 8 * _ogrp(q0, gid) // CVEC + v0), e] = sc[
                                                             v0 * CVEC + e]
                                             if gid == 0:
-                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2] = st[2 + 2 * hb]
-                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p) * 2 + 1] = st[3 + 2 * hb]
+                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p, b) * 2] = st[2 + 2 * hb]
+                                                ws_ml[_ws(i, g * G + 2 * tig + hb, s, n, p, b) * 2 + 1] = st[3 + 2 * hb]
         else:
             for i in T.thread_binding(n, thread="blockIdx.x"):
                 for g in T.thread_binding(n_kv, thread="blockIdx.y"):
-                    for s in T.thread_binding(_nsplit(n, p), thread="blockIdx.z"):
+                    for s in T.thread_binding(_nsplit(n, p, b), thread="blockIdx.z"):
                         for tx in T.thread_binding(NT, thread="threadIdx.x"):
                             qr = T.alloc_buffer((G * DL,), "float32", scope="local")
                             acc = T.alloc_buffer((G * DL,), "float32", scope="local")
@@ -1303,7 +1248,7 @@ def paged_attention(
                             lane = tx % 32
                             L = pos[i] + 1
                             nch = (L + CHUNK - 1) // CHUNK
-                            cps = (nch + _nsplit(n, p) - 1) // _nsplit(n, p)
+                            cps = (nch + _nsplit(n, p, b) - 1) // _nsplit(n, p, b)
                             c_lo = s * cps
                             c_hi = T.min(c_lo + cps, nch)
                             row = tseq[i]
@@ -1431,7 +1376,7 @@ def paged_attention(
                                                 (w * G + h) * D + lane * DL + e] * tm[1]
                                 T.tvm_storage_sync("shared")
                             if w == 0:
-                                if _nsplit(n, p) == 1:
+                                if _nsplit(n, p, b) == 1:
                                     for h in T.unroll(G):
                                         for e in T.unroll(DL):
                                             ob[e] = T.Cast(dtype, acc[h * DL + e] / lr[h])
@@ -1441,11 +1386,11 @@ def paged_attention(
                                     for h in T.unroll(G):
                                         for v0 in T.unroll(DL // CVEC):
                                             for e in T.vectorized(CVEC):
-                                                ws_ov[_ws(i, g * G + h, s, n, p) * (D // CVEC) + T.Cast("int64", lane * (DL // CVEC) + v0),
-                                                      e] = acc[h * DL + v0 * CVEC + e]
+                                                ws_ov[_ws(i, g * G + h, s, n, p, b) * (D // CVEC)
+                                                      + T.Cast("int64", lane * (DL // CVEC) + v0), e] = acc[h * DL + v0 * CVEC + e]
                                         if lane == 0:
-                                            ws_ml[_ws(i, g * G + h, s, n, p) * 2] = mr[h]
-                                            ws_ml[_ws(i, g * G + h, s, n, p) * 2 + 1] = lr[h]
+                                            ws_ml[_ws(i, g * G + h, s, n, p, b) * 2] = mr[h]
+                                            ws_ml[_ws(i, g * G + h, s, n, p, b) * 2 + 1] = lr[h]
 
     @T.prim_func
     def attn(
@@ -1470,9 +1415,9 @@ def paged_attention(
         poolu = T.decl_buffer((npages * (n_layers * 2 * n_kv * PS * RBU),), "uint32", data=pool.data)
         qw1 = T.decl_buffer((n * (n_heads * D // 2),), "uint32", data=q.data)
         outv = T.decl_buffer((n * (n_heads * D // 8), 8), dtype, data=out.data)
-        ws_o = T.alloc_buffer((_ws_size(n, p, D),), "float32", scope="global")
-        ws_ml = T.alloc_buffer((_ws_size(n, p, 2),), "float32", scope="global")
-        ws_ov = T.decl_buffer((T.max(_ws_size(n, p, D) // CVEC, T.int64(1)), CVEC), "float32", data=ws_o.data)
+        ws_o = T.alloc_buffer((_ws_size(n, p, b, D),), "float32", scope="global")
+        ws_ml = T.alloc_buffer((_ws_size(n, p, b, 2),), "float32", scope="global")
+        ws_ov = T.decl_buffer((T.max(_ws_size(n, p, b, D) // CVEC, T.int64(1)), CVEC), "float32", data=ws_o.data)
         # ---- 1. append this call's K/V ---------------------------------------------------------
         if quant:
             # one warp per (token, KV head): lanes 0-31 handle K, then V (c), of one row
@@ -1530,7 +1475,21 @@ def paged_attention(
                                 pool[pt[tseq[i], pos[i] // page_size], layer, 1, h, pos[i] % page_size,
                                      d0 * APPEND_T + tx] = T.Cast(pool_dt, v[i, h, d0 * APPEND_T + tx])
         # ---- 2. attend ------------------------------------------------------------------------------
-        if PF:
+        if SR:
+            # verify: a block per (sequence, KV head, split) over all the sequence's rows (attention_verify.py)
+            for sq in T.thread_binding(b, thread="blockIdx.x"):
+                for g in T.thread_binding(n_kv, thread="blockIdx.y"):
+                    for s in T.thread_binding(_nsplit(n, p, b), thread="blockIdx.z"):
+                        for tx in T.thread_binding(VF_NT, thread="threadIdx.x"):
+                            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 2):
+                                smem = T.alloc_buffer((PF_SMEM,), "uint8", scope="shared.dyn")
+                                T.evaluate(T.cuda.func_call(
+                                    VF_NAME, T.address_of(q[0, 0, 0]), T.address_of(pool[0, 0, 0, 0, 0, 0]),
+                                    T.address_of(pos[0]), T.address_of(tseq[0]), T.address_of(pt[0, 0]),
+                                    T.address_of(out[0, 0, 0]), T.address_of(ws_o[0]), T.address_of(ws_ml[0]),
+                                    T.Cast("int32", n), T.Cast("int32", p), layer, _nsplit(n, p, b), smem.data,
+                                    source_code=VF_SRC))
+        elif PF:
             if n >= PF_MIN:
                 # prefill: FlashAttention-2 tiles of (token, query head) rows (prefill_source)
                 for bx in T.thread_binding((n * G + PF_BQ - 1) // PF_BQ, thread="blockIdx.x"):
@@ -1544,9 +1503,9 @@ def paged_attention(
                                     T.address_of(out[0, 0, 0]), T.Cast("int32", n), T.Cast("int32", p), layer,
                                     smem.data, source_code=PF_SRC))
             else:
-                attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
+                attend_split(n, p, b, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         else:
-            attend_split(n, p, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
+            attend_split(n, p, b, q, pos, tseq, pt, pool, layer, out, poolv, poolw, poolu, qw1, outv, ws_ml, ws_ov)
         # ---- 3. combine split partials -------------------------------------------------------------
         # block (token, q head), CW warps. Every warp reads all (max, sum) pairs (lane-strided,
         # registers), reduces max and denominator with shuffles; warp 0 stores the split weights
@@ -1554,7 +1513,7 @@ def paged_attention(
         # partial rows s = w + CW k (CU of them in flight per lane, 16-byte loads of the lane's
         # columns) and the warps' sums are added through shared memory. Without splits (prefill) the
         # launch is a single idle block instead of n x Hq of them.
-        for i in T.thread_binding(T.Select(_nsplit(n, p) > 1, n, T.int64(1)), thread="blockIdx.x"):
+        for i in T.thread_binding(T.Select(_nsplit(n, p, b) > 1, n, T.int64(1)), thread="blockIdx.x"):
             for h in T.thread_binding(n_heads, thread="blockIdx.y"):
                 for tx in T.thread_binding(CNT, thread="threadIdx.x"):
                     cm = T.alloc_buffer((CMS,), "float32", scope="local")
@@ -1566,14 +1525,14 @@ def paged_attention(
                     red = T.alloc_buffer((CW * D,), "float32", scope="shared")
                     cw = tx // 32
                     cln = tx % 32
-                    if _nsplit(n, p) > 1:
+                    if _nsplit(n, p, b) > 1:
                         cr[0] = T.float32(neg_big)
                         for k0 in T.unroll(CMS):
                             cm[k0] = T.float32(neg_big)
                             cl[k0] = T.float32(0)
-                            if k0 * 32 + cln < _nsplit(n, p):
-                                cm[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p) * 2]
-                                cl[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p) * 2 + 1]
+                            if k0 * 32 + cln < _nsplit(n, p, b):
+                                cm[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p, b) * 2]
+                                cl[k0] = ws_ml[_ws(i, h, k0 * 32 + cln, n, p, b) * 2 + 1]
                             cr[0] = T.max(cr[0], cm[k0])
                         for o in T.unroll(5):
                             cr[0] = T.max(cr[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), cr[0], 16 >> o, 32, 32))
@@ -1589,18 +1548,18 @@ def paged_attention(
                                 if k0 * 32 + cln < MAXS + CW * CU:
                                     wsm[k0 * 32 + cln] = T.float32(0)
                             for k0 in T.unroll(CMS):
-                                if k0 * 32 + cln < _nsplit(n, p):
+                                if k0 * 32 + cln < _nsplit(n, p, b):
                                     wsm[k0 * 32 + cln] = cm[k0]
                         T.tvm_storage_sync("shared")
                         for e in T.unroll(DL):
                             ca[e] = T.float32(0)
-                        for k in range((_nsplit(n, p) + CW * CU - 1) // (CW * CU)):
+                        for k in range((_nsplit(n, p, b) + CW * CU - 1) // (CW * CU)):
                             for u in T.unroll(CU):
                                 # rows past nsplit have weight 0; their index is clamped to a written row
                                 for v0 in T.unroll(DL // CVEC):
                                     for e in T.vectorized(CVEC):
                                         cv[u * DL + v0 * CVEC + e] = ws_ov[
-                                            _ws(i, h, T.min((k * CU + u) * CW + cw, _nsplit(n, p) - 1), n, p) * (D // CVEC)
+                                            _ws(i, h, T.min((k * CU + u) * CW + cw, _nsplit(n, p, b) - 1), n, p, b) * (D // CVEC)
                                             + T.Cast("int64", cln * (DL // CVEC) + v0), e]
                             for u in T.unroll(CU):
                                 for e in T.unroll(DL):

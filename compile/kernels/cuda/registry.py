@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from . import attention, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, sampling
+from . import attention, attention_verify, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, sampling
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -123,12 +123,23 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         return gdn.chunked_delta_rule(hk, hv, dk, dv, n_layers, chunk or cp["chunk"], state_tile=cp["state_tile"],
                                       ept=cp["ept"], mma=cp["mma"], mma_tile=cp["mma_tile"], tf32x3=bool(x3))
 
+    def verify_attention(n_heads: int, n_kv: int, head_dim: int, page_size: int, n_layers: int, dtype: str,
+                         sm_scale: float):
+        """paged_attention's contract for calls of few rows per sequence (verify): the verify attend launch, or
+        None where it does not apply (those keep paged_attention)."""
+        if not attention_verify.verify_applies(n_heads, n_kv, head_dim, dtype, kv_dtype):
+            return None
+        return attention.paged_attention(n_heads, n_kv, head_dim, page_size, n_layers, dtype, sm_scale, kv_dtype=kv_dtype,
+                                         **p["paged_attention"], short_rows=True)
+
     mw = p["moe_wgmma"]
     moe_wgmma = (mw["bn"], mw["stages"], mw["rows_per_expert"]) if arch in ARCH_ONLY["moe_wgmma"] else None
     return SimpleNamespace(
         # fp4_qk: nvfp4 pages on sm_120 (sm_120a cubins) compute Q K^T on the block-scaled FP4 tensor cores
         paged_attention=partial(attention.paged_attention, kv_dtype=kv_dtype, **p["paged_attention"],
                                 **({"fp4_qk": True} if fp4_qk_default(arch, kv_dtype) and _FP4_QK.get() else {})),
+        # verify_attention(same arguments) -> paged_attention's contract, a block per sequence (verify calls), or None
+        verify_attention=verify_attention,
         causal_conv=partial(gdn.causal_conv, **p["causal_conv"]),
         chunked_delta_rule=chunked_delta_rule,
         recurrent_delta_rule=gdn.recurrent_delta_rule,

@@ -97,17 +97,43 @@ CASES = [
 ]
 
 
-def case_meta(name: str, tag: str, rows, timed: bool, seed: int) -> dict:
+def _verify(b, ctx, r):
+    return [(ctx - r, r)] * b
+
+
+# verify attend (the short_rows kernel, function vf_<tag>; timed against the split attend new_<tag>): sequences of
+# few consecutive rows. Emulated ones: R in 1..16, one or several sequences of different R and lengths (not page
+# multiples, shorter than a split, a context of 5), 16 rows of G = 6 (two row tiles)
+VERIFY_CASES = [
+    *[(f"verify_bf16_b{b}_r{r}_8k", "bf16", _verify(b, 8192, r), True, False) for b in (1, 4) for r in (4, 8)],
+    ("verify_bf16_b8_r8_8k", "bf16", _verify(8, 8192, 8), True, False),
+    ("verify_bf16_b1_r4_32k", "bf16", _verify(1, 32768, 4), True, False),
+    ("emu_vf_bf16_r1", "bf16", [(300, 1)], False, True),
+    ("emu_vf_bf16_r3", "bf16", [(77, 3)], False, True),
+    ("emu_vf_bf16_r4", "bf16", [(129, 4)], False, True),
+    ("emu_vf_bf16_r8", "bf16", [(1000, 8)], False, True),
+    ("emu_vf_bf16_r16", "bf16", [(130, 16)], False, True),
+    ("emu_vf_bf16_b3", "bf16", [(200, 4), (5, 8), (64, 1)], False, True),
+    ("emu_vf_bf16_b3_r16", "bf16", [(500, 16), (0, 3), (63, 1)], False, True),
+    ("emu_vf_f16_b2", "f16", [(90, 8), (33, 4)], False, True),
+    ("emu_vf_bf16small_b3", "bf16small", [(70, 16), (1, 3), (200, 8)], False, True),
+]
+
+
+def case_meta(name: str, tag: str, rows, timed: bool, seed: int, verify: bool = False) -> dict:
+    """verify: the case runs the verify attend (func vf_<tag>) and compares the split attend (new_<tag>)."""
     geo, dt, kv = FUNCS[tag]
     need = [-(-(o + c) // PAGE) for o, c in rows]
     width = max(4, 1 << (max(need) - 1).bit_length())  # decode graphs use power-of-two page tables
     return dict(name=name, tag=tag, geo=list(geo), dtype=dt, kv=kv or dt, quant=kv in QUANT, rows=[list(r) for r in rows],
                 need=need, width=width, npages=sum(need) + 2, timed=timed, seed=seed,
-                func=f"new_{tag}", scale=geo[2] ** -0.5)
+                func=f"vf_{tag}" if verify else f"new_{tag}", scale=geo[2] ** -0.5, verify=verify,
+                **({"compare": f"new_{tag}"} if verify else {}))
 
 
 def all_cases() -> list[dict]:
-    return [case_meta(n, t, r, tm, 1000 + i) for i, (n, t, r, tm, _) in enumerate(CASES)]
+    return ([case_meta(n, t, r, tm, 1000 + i) for i, (n, t, r, tm, _) in enumerate(CASES)]
+            + [case_meta(n, t, r, tm, 3000 + i, verify=True) for i, (n, t, r, tm, _) in enumerate(VERIFY_CASES)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,15 +363,20 @@ def tolerance(m: dict) -> float:
     return 1e-4 if m["dtype"] == "float32" else 1e-2
 
 
-def kernel_funcs(tags=None) -> dict:
-    """{"new_<tag>": prim_func} of the kernel set's paged attention (registry defaults) for the FUNCS tags."""
+def kernel_funcs(tags=None, verify: bool = False) -> dict:
+    """{"new_<tag>": prim_func} of the kernel set's paged attention (registry defaults) for the FUNCS tags; verify:
+    also {"vf_<tag>": its verify attention} where the kernel set has one."""
     from ...registry import kernel_set
 
     funcs = {}
     for tag, (geo, dt, kv) in FUNCS.items():
         if tags is None or tag in tags:
-            f = kernel_set("cuda", kv).paged_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5)
+            ks = kernel_set("cuda", kv)
+            f = ks.paged_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5)
             funcs[f"new_{tag}"] = f.with_attr("global_symbol", f"new_{tag}")
+            fv = ks.verify_attention(*geo, PAGE, LAYERS, dt, geo[2] ** -0.5) if verify else None
+            if fv is not None:
+                funcs[f"vf_{tag}"] = fv.with_attr("global_symbol", f"vf_{tag}")
     return funcs
 
 
@@ -384,8 +415,13 @@ def emulate_case(m: dict, lib=None, func: str | None = None, q_nvfp4: bool = Fal
     from ..registry import kernel_params
 
     kp = kernel_params()["paged_attention"]
-    ns = A.attend_splits(n, pt.shape[1], hkv, PAGE, kp["threads"], kp["target_blocks"],
-                         A.PF_MIN_ROWS if A.prefill_applies(hq, hkv, d, m["dtype"], m["kv"]) else None)
+    if m.get("verify"):
+        from ..attention_verify import verify_splits
+
+        ns = verify_splits(pt.shape[0], pt.shape[1], hkv, PAGE, kp["target_blocks"])
+    else:
+        ns = A.attend_splits(n, pt.shape[1], hkv, PAGE, kp["threads"], kp["target_blocks"],
+                             A.PF_MIN_ROWS if A.prefill_applies(hq, hkv, d, m["dtype"], m["kv"]) else None)
     pool = np.ascontiguousarray(pool0.copy())
     out = np.full((n, hq, d), np.nan, np.float32).astype(_np_dt(m["dtype"]))
     arrays = dict(q=np.ascontiguousarray(q), k=np.ascontiguousarray(k), v=np.ascontiguousarray(v), pos=pos, tseq=tseq,
