@@ -81,7 +81,7 @@ def test_batched_verify_inputs_match_a_verify_staged_alone(runner):
     with pytest.raises(RuntimeError, match="not sent"):
         runner.run_verify(staged)
     with pytest.raises(RuntimeError, match="not sent"):
-        runner.run_draft_chain((1, [], []), lambda logits: logits)
+        runner.run_draft_chain((1, [], [], False), lambda logits: logits)
     ub.send()
     assert _device_inputs(staged[2]) == want and list(staged[3]) == list(alone[3])
     for s in seqs:

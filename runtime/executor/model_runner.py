@@ -625,6 +625,7 @@ class ModelRunner:
         device_round.py DeviceArgmax); they and the step's output hidden feed the next step by device copies,
         nothing is read back, and replays are not waited for, so the steps run back to back. Returns the
         [steps, b] drafts view (valid until the next chain)."""
+        self._check_sent()  # before anything: a staged chain whose upload was not sent must not launch
         steps, args, pre, head = staged
         chain = self.chain
         assert chain is not None  # stage_draft_chain checked it
@@ -635,7 +636,6 @@ class ModelRunner:
         else:
             graphs, step_fn = self.mtp_graphs, "mtp_step"
             persistent = [self.mtp_kv_pool, self.params]
-        self._check_sent()
         out = self.vm["mtp_prefill_hd" if head else "mtp_prefill"](*pre, *persistent)
         # a sampler output is VM pool memory a graph replay may reuse as scratch: copy it out before any replay
         choose(out[0]).copyto(chain.drafts_row(0))
