@@ -6,6 +6,7 @@ two paths round the conv output to the activation dtype alike and share the step
 step checks that both are the GDN decode step at all."""
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -173,3 +174,62 @@ def test_decode_conv_is_thread_bound():
     assert is_thread_bound(kernel_set("cuda").gdn_decode_conv(2, 6, 32, 32, K, 1, "bfloat16", EPS))
     assert kernel_set("llvm").gdn_decode_conv is None
 
+
+def _export(kind: str, monkeypatch, conv_in_step: bool = True):
+    """The tiny default model's relax module (mtp head included); conv_in_step=False: a CUDA kernel set without
+    gdn_decode_conv (the split + conv + gdn_decode path)."""
+    from ninfer_mlc.compile import model as model_mod
+    from ninfer_mlc.compile import tiny_default
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.kernels.registry import kernel_set
+
+    def without_conv_step(*a, **kw):
+        ks = kernel_set(*a, **kw)
+        ks.gdn_decode_conv = None
+        return ks
+
+    with monkeypatch.context() as mp:
+        if not conv_in_step:
+            mp.setattr(model_mod, "kernel_set", without_conv_step)
+        m = model_mod.Qwen3xForCausalLM(parse_config(tiny_default.CONFIG), "bfloat16", kind, None, mtp=True,
+                                        multimodal=True)
+        return m.export_tvm(spec=m.export_spec())[0]
+
+
+def _calls(mod, func: str) -> list[str]:
+    """The kinds of prim_func `func` calls, in order, one entry per call: gdn_decode_conv, gdn_decode, gdn_conv or
+    the callee's name."""
+    kinds = (("gdn_decode_conv", r"gdn_decode_conv\w*"), ("gdn_decode", r"gdn_decode_\d\w*"),
+             ("gdn_conv", r"(?:gdn_)?conv\d*"))
+    return [next((k for k, pat in kinds if re.fullmatch(pat, c)), c)
+            for c in re.findall(r"call_tir(?:_inplace)?\((?:cls\.)?(\w+)", mod[func].script())]
+
+
+def test_cuda_decode_calls_the_conv_launch(monkeypatch):
+    """CUDA decode / decode_mrope call gdn_decode_conv once per GDN layer, no gdn_conv / gdn_decode and no split of
+    the projection (one R.split per GDN layer fewer than the path without it); every other function is unchanged;
+    llvm keeps the relax path."""
+    import tvm
+
+    from ninfer_mlc.compile import tiny_default
+    from ninfer_mlc.compile.config import parse_config
+
+    n_gdn = parse_config(tiny_default.CONFIG).layer_types.count("linear_attention")
+    new, old = _export("cuda", monkeypatch), _export("cuda", monkeypatch, conv_in_step=False)
+    decode_rows = ("decode", "decode_mrope")
+    for gv, f in new.functions_items():
+        if not isinstance(f, tvm.relax.Function):
+            continue
+        name = gv.name_hint
+        if name in decode_rows:
+            calls, before = _calls(new, name), _calls(old, name)
+            assert calls.count("gdn_decode_conv") == n_gdn, name
+            assert "gdn_conv" not in calls and "gdn_decode" not in calls, name
+            assert before.count("gdn_conv") == before.count("gdn_decode") == n_gdn, name
+            assert f.script().count("R.split(") == old[name].script().count("R.split(") - n_gdn, name
+        else:
+            assert "gdn_decode_conv" not in _calls(new, name), name
+            tvm.ir.assert_structural_equal(f, old[name], map_free_vars=True)
+    assert {"decode", "decode_mrope", "prefill", "verify", "gdn_replay"} <= {gv.name_hint for gv in new.functions}
+    llvm = _export("llvm", monkeypatch)
+    assert "gdn_decode_conv" not in _calls(llvm, "decode") and "gdn_conv" in _calls(llvm, "decode")
