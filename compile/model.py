@@ -333,6 +333,9 @@ class GatedDeltaNet(nn.Module):
         self.short_kernel = short(hk, hv, dk, dv, n_gdn) if short else None
         fused = getattr(kernels, "gdn_decode", None)
         self.decode_kernel = fused(hk, hv, dk, dv, n_gdn, dtype, cfg.rms_norm_eps) if fused else None
+        fused_conv = getattr(kernels, "gdn_decode_conv", None)
+        self.decode_conv_kernel = fused_conv(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, n_gdn, dtype,
+                                             cfg.rms_norm_eps) if fused_conv else None
         prep, gated = getattr(kernels, "gdn_prep", None), getattr(kernels, "gdn_gated_norm", None)
         self.prep_kernel = prep(hk, hv, dk, dv, cfg.linear_conv_kernel_dim, n_gdn, dtype) if prep else None
         self.gated_norm_kernel = gated(hk, hv, dk, dv, dtype, cfg.rms_norm_eps) if gated else None
@@ -364,12 +367,12 @@ class GatedDeltaNet(nn.Module):
         n = qkvz.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        if recurrent and (self.decode_conv_kernel is not None or self.decode_kernel is not None):
+            return self._fused_decode(qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool)
         fused_prefill = not recurrent and self.prep_kernel is not None and self.gated_norm_kernel is not None
         if not fused_prefill:
             qkv, z = op.split(qkvz, [cfg.conv_dim], axis=1)
             z = op.reshape(z, (n, hv, dv))
-        if recurrent and self.decode_kernel is not None:
-            return self._fused_decode(qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool)
         b, a = op.split(ba, 2, axis=1)
         beta = op.sigmoid(b).astype("float32")
         a = a.astype("float32")
@@ -429,10 +432,23 @@ class GatedDeltaNet(nn.Module):
                             nn.Tensor.placeholder((n, cfg.value_dim), self.dtype))
         return o, conv_pool, ssm_pool
 
-    def _fused_decode(self, qkv, ba, z, cu_seqlens, slot_ids, conv_pool, ssm_pool):
-        """Decode: conv, then gates + L2 norms + recurrent step + gated RMSNorm in one launch."""
+    def _fused_decode(self, qkvz, ba, cu_seqlens, slot_ids, conv_pool, ssm_pool):
+        """Decode rows (one token per sequence, cu_seqlens the identity): conv + gates + L2 norms + recurrent
+        step + gated RMSNorm in one launch reading the projection in place, then the conv tails' launch
+        (gdn_decode_conv); kernel sets without it: split of qkv | z, the conv's two launches, gdn_decode."""
         cfg = self.cfg
-        n = qkv.shape[0]
+        n = qkvz.shape[0]
+        out = nn.Tensor.placeholder((n, cfg.value_dim), self.dtype)
+        if self.decode_conv_kernel is not None:
+            conv_pool, ssm_pool, o = op.tensor_ir_inplace_op(
+                self.decode_conv_kernel, "gdn_decode_conv",
+                [qkvz, cu_seqlens, ba, conv_pool, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                 slot_ids, ssm_pool, _i32(self.slot)],
+                [3, 9, -1], [conv_pool, ssm_pool, out],
+            )
+            return o, conv_pool, ssm_pool
+        qkv, z = op.split(qkvz, [cfg.conv_dim], axis=1)
+        z = op.reshape(z, (n, cfg.linear_num_value_heads, cfg.linear_value_head_dim))
         conv_pool, u = op.tensor_ir_inplace_op(
             self.conv_kernel, "gdn_conv",
             [qkv, cu_seqlens, slot_ids, conv_pool, self.conv1d.weight, _i32(self.slot)],
@@ -441,7 +457,7 @@ class GatedDeltaNet(nn.Module):
         ssm_pool, o = op.tensor_ir_inplace_op(
             self.decode_kernel, "gdn_decode",
             [u, ba, z, self.A_log, self.dt_bias, self.norm.weight, slot_ids, ssm_pool, _i32(self.slot)],
-            [7, -1], [ssm_pool, nn.Tensor.placeholder((n, cfg.value_dim), self.dtype)],
+            [7, -1], [ssm_pool, out],
         )
         return o, conv_pool, ssm_pool
 

@@ -34,6 +34,7 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         gemv_rows=None,  # the shortlisted MTP head stays a relax matmul (CUDA: gemv.py gemv_rows)
         rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
+        gdn_decode_conv=None,  # decode's conv stays its own kernel (CUDA: folded into the step, gdn_decode.py)
         gdn_prep=None,  # relax split / cast / L2 norm around the prefill conv (CUDA: kernels/cuda/gdn_prep.py)
         gdn_gated_norm=None,
         sampler=sampling.sampler_kernels,  # sampler(vocab) -> process / select / logprobs / append / counts_add

@@ -153,6 +153,9 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
         gdn_decode=gdn_decode.fused_gdn_decode,
+        # gdn_decode_conv(hk, hv, dk, dv, kernel, n_layers, dtype, eps) -> the same step with the causal conv in it,
+        # reading the qkv+z projection in place (one launch, then the conv tails' launch): what decode rows run
+        gdn_decode_conv=partial(gdn_decode.fused_gdn_decode_conv, **p["causal_conv"]),
         # prefill GDN around the chunked kernel: conv + q/k/v split + L2 norms in one launch, gated RMSNorm
         # reading z in place (None for geometries they do not take)
         gdn_prep=gdn_prep.gdn_prep,
