@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import shutil
 import sys
@@ -75,6 +76,20 @@ def test_schedule_files_are_read():
         assert s["_file"] and s["_file"].endswith(f"cuda_{arch}.json")
         assert "Matmul" in s["dlight"]["rules"] and s["dlight"]["rules"][-1] == "Fallback"
         assert kernel_params(arch)["paged_attention"]["threads"] % 32 == 0
+
+
+def test_fused_launches_can_be_turned_off_by_the_schedule(tmp_path, monkeypatch):
+    """schedule "kernels.fused": false builds the unfused sequences (before/after measurements, an off switch)."""
+    from ninfer_mlc.compile.kernels.cuda.registry import kernel_set
+
+    on = kernel_set(None, "sm_90")
+    assert on.gdn_decode_conv is not None and on.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is not None
+    (tmp_path / "cuda_sm_90.json").write_text(json.dumps(
+        {"kernels": {"fused": {"verify_attention": False, "gdn_decode_conv": False}}}))
+    monkeypatch.setenv("NINFER_SCHEDULE_DIR", str(tmp_path))
+    off = kernel_set(None, "sm_90")
+    assert off.gdn_decode_conv is None and off.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is None
+    assert off.gdn_decode is not None  # the unfused decode step stays
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None or shutil.which("gcc") is None, reason="needs nvcc and gcc")

@@ -52,6 +52,11 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     # on average run the wgmma kernel (moe_sm90.py, gemm's tile with bn columns and a stages-deep ring) instead
     # of the mma.sync passes
     "moe_wgmma": {"bn": 256, "stages": 4, "rows_per_expert": 48},
+    # launches that replace several (each measured or checked against the unfused sequence it replaces); false
+    # builds the unfused sequence, for before/after measurements from one commit (NINFER_SCHEDULE_DIR) or as an
+    # off switch: verify_attention (attention_verify.py: verify calls read each sequence's KV once), gdn_decode_conv
+    # (gdn_decode.py: the decode step's causal conv inside the GDN launch, no split of the projection)
+    "fused": {"verify_attention": True, "gdn_decode_conv": True},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
@@ -127,7 +132,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
                          sm_scale: float):
         """paged_attention's contract for calls of few rows per sequence (verify): the verify attend launch, or
         None where it does not apply (those keep paged_attention)."""
-        if not attention_verify.verify_applies(n_heads, n_kv, head_dim, dtype, kv_dtype):
+        if not p["fused"]["verify_attention"] or not attention_verify.verify_applies(n_heads, n_kv, head_dim, dtype,
+                                                                                       kv_dtype):
             return None
         return attention.paged_attention(n_heads, n_kv, head_dim, page_size, n_layers, dtype, sm_scale, kv_dtype=kv_dtype,
                                          **p["paged_attention"], short_rows=True)
@@ -155,7 +161,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         gdn_decode=gdn_decode.fused_gdn_decode,
         # gdn_decode_conv(hk, hv, dk, dv, kernel, n_layers, dtype, eps) -> the same step with the causal conv in it,
         # reading the qkv+z projection in place (one launch, then the conv tails' launch): what decode rows run
-        gdn_decode_conv=partial(gdn_decode.fused_gdn_decode_conv, **p["causal_conv"]),
+        gdn_decode_conv=partial(gdn_decode.fused_gdn_decode_conv, **p["causal_conv"])
+        if p["fused"]["gdn_decode_conv"] else None,
         # prefill GDN around the chunked kernel: conv + q/k/v split + L2 norms in one launch, gated RMSNorm
         # reading z in place (None for geometries they do not take)
         gdn_prep=gdn_prep.gdn_prep,
