@@ -2,9 +2,11 @@
 (ninfer_mlc.compile.kernels.cuda.emulate), against the launches it replaces, each run as a build runs it: the split
 of the projection (exact copies: numpy slices), norm.py's rms_norm on q and k, and apply_rope's tensor expression
 (kernels/rope.py) as the GPU pipeline schedules it (DLight, compile/gpu_pipeline.py). q, gate, k and v must be
-bit-equal; a float64 numpy RMSNorm + RoPE checks that both are that at all. Then an nvcc compile without spills."""
+bit-equal; a float64 numpy RMSNorm + RoPE checks that both are that at all. Then which launches the model's CUDA
+functions call, and an nvcc compile without spills."""
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -179,3 +181,49 @@ def test_qk_norm_rope_is_thread_bound():
 
     assert is_thread_bound(kernel_set("cuda").qk_norm_rope(4, 2, 64, 16, "bfloat16", EPS))
     assert kernel_set("llvm").qk_norm_rope is None
+
+
+def _export(kind: str, kv_hadamard: bool = False):
+    """The tiny default model's relax module (mtp head and multimodal functions included)."""
+    import contextlib
+
+    from tvm.target import Target
+
+    from ninfer_mlc.compile import tiny_default
+    from ninfer_mlc.compile.config import parse_config
+    from ninfer_mlc.compile.model import Qwen3xForCausalLM
+
+    cfg = parse_config(tiny_default.CONFIG)
+    with Target({"kind": "cuda", "arch": "sm_90"}) if kind == "cuda" else contextlib.nullcontext():
+        m = Qwen3xForCausalLM(cfg, "bfloat16", kind, None, kv_hadamard=kv_hadamard, mtp=True, multimodal=True)
+    return cfg, m.export_tvm(spec=m.export_spec())[0]
+
+
+def test_model_functions_call_the_fused_launch():
+    """CUDA: every function with attention layers (decode, verify, prefill, the MTP head's, the multimodal ones)
+    calls qk_norm_rope once per attention layer (the M-RoPE variant where positions are [n, 3]) and no rope_q /
+    rope_k / head-dim rms_norm; llvm and kv_hadamard keep the unfused path."""
+    import tvm
+
+    cfg, mod = _export("cuda")
+    dh = cfg.head_dim
+    n_attn = cfg.layer_types.count("full_attention")
+    per_func = {"mtp_step": 1, "mtp_step_sl": 1, "mtp_step_hd": 1, "mtp_prefill": 1, "mtp_prefill_hd": 1}
+    seen = set()
+    for gv, f in mod.functions_items():
+        if not isinstance(f, tvm.relax.Function):
+            continue
+        calls = re.findall(r"call_tir(?:_inplace)?\((?:cls\.)?(\w+)", f.script())
+        if not any(c.startswith(("attn", "paged_attention")) for c in calls):
+            continue
+        seen.add(gv.name_hint)
+        fused = [c for c in calls if c.startswith("qk_norm_rope")]
+        assert len(fused) == per_func.get(gv.name_hint, n_attn), (gv.name_hint, calls)
+        assert all(c.endswith("_mrope11x11x10") == (gv.name_hint == "prefill_mm") for c in fused), fused
+        assert not [c for c in calls if c.startswith("rope") or c.startswith(f"rms_norm_{dh}_")], (gv.name_hint, calls)
+    assert {"decode", "decode_mrope", "prefill", "prefill_h", "prefill_mm", "verify", "mtp_step", "mtp_prefill"} <= seen
+    for kind, hadamard in (("llvm", False), ("cuda", True)):
+        _, old = _export(kind, kv_hadamard=hadamard)
+        calls = re.findall(r"call_tir(?:_inplace)?\((?:cls\.)?(\w+)", old["decode"].script())
+        assert not [c for c in calls if c.startswith("qk_norm_rope")], kind
+        assert calls.count("rope_q") == calls.count("rope_k") == n_attn, (kind, calls)
