@@ -284,6 +284,8 @@ class GatedAttention(nn.Module):
         if self.short_kernel is not None:
             self.short_kernel = self.short_kernel.with_attr(
                 "global_symbol", "attn_mtp_verify" if n_layers is not None else "attn_verify")
+        # the split + q/k norms + RoPE in one launch (CUDA); the Hadamard rotation keeps the unfused path
+        self.qk_prep = None if kv_hadamard else getattr(kernels, "qk_norm_rope", None)
 
     def forward(self, x, rope, positions, token_seq, page_table, kv_pool, residual=None, rope_positions=None):
         """residual: return residual + attention(x) (fused into o_proj by the decode GEMV).
@@ -291,18 +293,14 @@ class GatedAttention(nn.Module):
         [n] text positions shifted by the sequence's rope delta); None = positions."""
         cfg = self.cfg
         n = x.shape[0]
-        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg, k, v = op.split(self.qkv_proj(x), [hq * 2 * dh, hq * 2 * dh + hkv * dh], axis=1)
-        q, gate = op.split(op.reshape(qg, (n, hq, 2 * dh)), 2, axis=2)
-        k = op.reshape(k, (n, hkv, dh))
-        v = op.reshape(v, (n, hkv, dh))
-        inv_freq, factor = rope
+        hq, dh = cfg.num_attention_heads, cfg.head_dim
         rp = positions if rope_positions is None else rope_positions
         section = cfg.rope.get("mrope_section") or MROPE_SECTION
-        q = apply_rope(self.q_norm(q), rp, inv_freq, factor, cfg.rotary_dim, "rope_q", section)
-        k = apply_rope(self.k_norm(k), rp, inv_freq, factor, cfg.rotary_dim, "rope_k", section)
-        if self.kv_hadamard:  # rotate Q and K after RoPE (QK^T unchanged); V stays unrotated
-            q, k = _hadamard(q, dh), _hadamard(k, dh)
+        prep = self.qk_prep
+        if prep is not None:
+            q, gate, k, v = self._fused_prep(prep, self.qkv_proj(x), rp, rope, section)
+        else:
+            q, gate, k, v = self._prep(self.qkv_proj(x), rp, rope, section)
         short = _SHORT_ROWS.get() and self.short_kernel is not None
         kv_pool, o = op.tensor_ir_inplace_op(
             self.short_kernel if short else self.kernel, "paged_attention_verify" if short else "paged_attention",
@@ -311,6 +309,35 @@ class GatedAttention(nn.Module):
         )
         o = o * op.sigmoid(gate)
         return _project(self.o_proj, op.reshape(o, (n, hq * dh)), residual), kv_pool
+
+    def _prep(self, qkv, rp, rope, section):
+        """(q, gate, k, v) of the projection: split, q/k RMS norms, RoPE (and the Hadamard rotation)."""
+        cfg = self.cfg
+        n = qkv.shape[0]
+        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg, k, v = op.split(qkv, [hq * 2 * dh, hq * 2 * dh + hkv * dh], axis=1)
+        q, gate = op.split(op.reshape(qg, (n, hq, 2 * dh)), 2, axis=2)
+        k = op.reshape(k, (n, hkv, dh))
+        v = op.reshape(v, (n, hkv, dh))
+        inv_freq, factor = rope
+        q = apply_rope(self.q_norm(q), rp, inv_freq, factor, cfg.rotary_dim, "rope_q", section)
+        k = apply_rope(self.k_norm(k), rp, inv_freq, factor, cfg.rotary_dim, "rope_k", section)
+        if self.kv_hadamard:  # rotate Q and K after RoPE (QK^T unchanged); V stays unrotated
+            q, k = _hadamard(q, dh), _hadamard(k, dh)
+        return q, gate, k, v
+
+    def _fused_prep(self, prep, qkv, rp, rope, section):
+        """_prep in one launch reading the projection in place (prep: the kernel set's qk_norm_rope): the same
+        values bit for bit; [n, 3] positions take the M-RoPE variant."""
+        cfg = self.cfg
+        n = qkv.shape[0]
+        hq, hkv, dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        mrope = tuple(int(s) for s in section) if len(rp.shape) == 2 else None
+        func = prep(hq, hkv, dh, cfg.rotary_dim, self.dtype, self.q_norm.eps, mrope)
+        inv_freq, factor = rope
+        args = [qkv, rp, inv_freq, factor, self.q_norm.weight, self.k_norm.weight]
+        return op.tensor_ir_op(func, "qk_norm_rope", args,  # q, gate, k, v
+                               [nn.Tensor.placeholder((n, h, dh), self.dtype) for h in (hq, hq, hkv, hkv)])
 
 
 class GatedDeltaNet(nn.Module):

@@ -33,6 +33,7 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         gemv=None,  # decode projections stay relax matmuls (CUDA: kernels/cuda/gemv.py)
         gemv_rows=None,  # the shortlisted MTP head stays a relax matmul (CUDA: gemv.py gemv_rows)
         rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
+        qk_norm_rope=None,  # attention's split + q/k norms + RoPE stay separate (CUDA: kernels/cuda/qk_norm_rope.py)
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)
         gdn_decode_conv=None,  # decode's conv stays its own kernel (CUDA: folded into the step, gdn_decode.py)
         gdn_prep=None,  # relax split / cast / L2 norm around the prefill conv (CUDA: kernels/cuda/gdn_prep.py)

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from . import attention, attention_verify, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, sampling
+from . import attention, attention_verify, gdn, gdn_decode, gdn_prep, gemm_sm90, moe, norm, qk_norm_rope, sampling
 from . import gemv as gemv_kernels
 
 SCHEDULE_DIR = Path(__file__).resolve().parents[3] / "schedules"
@@ -157,6 +157,9 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         gemv_rows=partial(gemv_kernels.gemv_rows, **p["gemv"]),
         # rms_norm(dim, dtype, eps) -> one-launch RMSNorm over the last axis (every function)
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
+        # qk_norm_rope(hq, hkv, dh, rotary_dim, dtype, eps, mrope_section=None) -> the gated attention's split of
+        # the qkv projection + q/k RMS norms + RoPE in one launch (rms_norm's threads: its reduction order)
+        qk_norm_rope=partial(qk_norm_rope.qk_norm_rope, **p["rms_norm"]),
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
         gdn_decode=gdn_decode.fused_gdn_decode,
         # gdn_decode_conv(hk, hv, dk, dv, kernel, n_layers, dtype, eps) -> the same step with the causal conv in it,
