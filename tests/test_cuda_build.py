@@ -85,10 +85,11 @@ def test_fused_launches_can_be_turned_off_by_the_schedule(tmp_path, monkeypatch)
     on = kernel_set(None, "sm_90")
     assert on.gdn_decode_conv is not None and on.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is not None
     (tmp_path / "cuda_sm_90.json").write_text(json.dumps(
-        {"kernels": {"fused": {"verify_attention": False, "gdn_decode_conv": False}}}))
+        {"kernels": {"fused": {"verify_attention": False, "gdn_decode_conv": False, "qk_norm_rope": False}}}))
     monkeypatch.setenv("NINFER_SCHEDULE_DIR", str(tmp_path))
     off = kernel_set(None, "sm_90")
     assert off.gdn_decode_conv is None and off.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is None
+    assert off.qk_norm_rope is None and on.qk_norm_rope is not None
     assert off.gdn_decode is not None  # the unfused decode step stays
 
 

@@ -55,8 +55,9 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     # launches that replace several (each measured or checked against the unfused sequence it replaces); false
     # builds the unfused sequence, for before/after measurements from one commit (NINFER_SCHEDULE_DIR) or as an
     # off switch: verify_attention (attention_verify.py: verify calls read each sequence's KV once), gdn_decode_conv
-    # (gdn_decode.py: the decode step's causal conv inside the GDN launch, no split of the projection)
-    "fused": {"verify_attention": True, "gdn_decode_conv": True},
+    # (gdn_decode.py: the decode step's causal conv inside the GDN launch, no split of the projection), qk_norm_rope
+    # (qk_norm_rope.py: the attention's split + q/k norms + RoPE in one launch)
+    "fused": {"verify_attention": True, "gdn_decode_conv": True, "qk_norm_rope": True},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
@@ -159,7 +160,7 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         rms_norm=partial(norm.rms_norm, **p["rms_norm"]),
         # qk_norm_rope(hq, hkv, dh, rotary_dim, dtype, eps, mrope_section=None) -> the gated attention's split of
         # the qkv projection + q/k RMS norms + RoPE in one launch (rms_norm's threads: its reduction order)
-        qk_norm_rope=partial(qk_norm_rope.qk_norm_rope, **p["rms_norm"]),
+        qk_norm_rope=partial(qk_norm_rope.qk_norm_rope, **p["rms_norm"]) if p["fused"]["qk_norm_rope"] else None,
         # gdn_decode(hk, hv, dk, dv, n_layers, dtype, eps) -> the whole GDN decode step in one launch
         gdn_decode=gdn_decode.fused_gdn_decode,
         # gdn_decode_conv(hk, hv, dk, dv, kernel, n_layers, dtype, eps) -> the same step with the causal conv in it,
