@@ -33,7 +33,6 @@ class DraftHead:
         pos[ids] = np.arange(len(ids), dtype=np.int32)
         self.pos: Any = tvm.runtime.tensor(pos, dev)
         self.weight: Any = runner.vm["mtp_head_build"](tvm.runtime.tensor(ids, dev), runner.params)
-        self.nbytes = draft_head_bytes(len(ids), int(runner.cfg["hidden_size"]), vocab, runner.manifest.dtype)
 
     @property
     def rows(self) -> int:
