@@ -663,9 +663,13 @@ class Qwen3xForCausalLM(nn.Module):
                                  rope_positions)
 
     # ---- speculative decoding: post-norm hidden states, multi-token verification, MTP head --------
+    def _head_weight(self):
+        """The lm_head's weight (the embedding table when tied): [vocab, hidden]."""
+        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+
     def _head(self, hn):
         """Shared lm_head on already-normalised hidden states -> fp32 logits."""
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        w = self._head_weight()
         if self.cfg.tie_word_embeddings or isinstance(self.lm_head, Linear):
             logits = _gemv(hn, w, out_dtype="float32", name="gemv_lm_head")  # decode GEMV: fp32 out
             if logits is not None:
@@ -787,14 +791,10 @@ class Qwen3xForCausalLM(nn.Module):
     def mtp_step_sl(self, hidden, next_tokens, positions, token_seq, page_table, shortlist, mtp_kv_pool):
         """mtp_step with a shortlisted proposal head: logits [n, m] for the token ids in shortlist."""
         hn, mtp_kv_pool = self._mtp(hidden, next_tokens, positions, token_seq, page_table, mtp_kv_pool)
-        w = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        logits = op.matmul(hn, op.permute_dims(op.take(w, shortlist, axis=0)))
+        logits = op.matmul(hn, op.permute_dims(op.take(self._head_weight(), shortlist, axis=0)))
         return logits.astype("float32"), hn.astype("float32"), mtp_kv_pool
 
     # ---- the shortlisted proposal head on the device (FR-Spec: drafts over the frequent ids only) --------
-    def _head_weight(self):
-        return self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-
     def mtp_head_build(self, head_ids):
         """The shortlisted head's weight: the lm_head rows of head_ids [m] ([m, D], activation dtype), made on
         the device once per shortlist (never copied through the host)."""
