@@ -124,10 +124,74 @@ _WEIGHT_QUANT: contextvars.ContextVar = contextvars.ContextVar("ninfer_weight_qu
 # as one hand-written GEMV launch with fused epilogues (NVFP4 weights: NVFP4Linear.decode_gemv)
 
 
-def _gemv(x: nn.Tensor, weight: nn.Parameter, out_dtype: str | None = None, epilogue: str = "none",
+# the kernel set's gemv_norm while a decode function is traced (decode, decode_mrope), None elsewhere: the RMSNorms
+# whose every reader is a dense decode GEMV run inside those GEMVs (gemv.py norm_eps) instead of as their own launch
+_GEMV_NORM: contextvars.ContextVar = contextvars.ContextVar("ninfer_gemv_norm", default=None)
+
+
+class NormedRows:
+    """norm(x) not computed yet: a decode GEMV that reads it takes x and the norm's weight (one launch fewer); any
+    other reader gets the norm's output, computed once (materialize)."""
+
+    def __init__(self, x: nn.Tensor, norm: "RMSNorm"):
+        self.x, self.norm = x, norm
+        self._y: nn.Tensor | None = None
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    def materialize(self) -> nn.Tensor:
+        if self._y is None:
+            self._y = self.norm(self.x)
+        return self._y
+
+
+def _normed(norm: "RMSNorm", x: nn.Tensor, readers: list) -> "nn.Tensor | NormedRows":
+    """norm(x), or NormedRows(x, norm) where gemv_norm is in scope and every reader (the modules, or bare weights,
+    that project it) is a dense Linear or a dense weight, so no reader needs the normed tensor itself."""
+    dense = bool(readers) and all(isinstance(r, Linear) or (isinstance(r, nn.Parameter) and len(r.shape) == 2)
+                                  for r in readers)
+    if _GEMV_NORM.get() is None or len(x.shape) != 2 or not dense:
+        return norm(x)
+    return NormedRows(x, norm)
+
+
+def _rows(x) -> nn.Tensor:
+    """The tensor a non-GEMV reader needs (NormedRows: the norm's output)."""
+    return x.materialize() if isinstance(x, NormedRows) else x
+
+
+def _gemv_normed(x: NormedRows, weight: nn.Parameter, out_dtype: str | None, epilogue: str,
+                 residual: nn.Tensor | None, name: str) -> nn.Tensor | None:
+    """rms_norm(x) @ weight^T (+ epilogue) in one gemv_norm launch, or None where it does not apply."""
+    factory = _GEMV_NORM.get()
+    if factory is None or len(weight.shape) != 2 or x.dtype != weight.dtype:
+        return None
+    o, k = (int(d) for d in weight.shape)
+    out_dtype = out_dtype or x.dtype
+    func = factory(k, o, x.dtype, out_dtype, epilogue, norm_eps=x.norm.eps)
+    if func is None:
+        return None
+    args = [x.x, x.norm.weight, weight] + ([residual] if residual is not None else [])
+    out = nn.Tensor.placeholder((x.shape[0], o // 2 if epilogue == "silu_mul" else o), out_dtype)
+    return op.tensor_ir_op(func, name + "_rms", args, out)
+
+
+def _gemv(x, weight: nn.Parameter, out_dtype: str | None = None, epilogue: str = "none",
           residual: nn.Tensor | None = None, name: str = "gemv") -> nn.Tensor | None:
     """x[n, K] @ weight[O, K]^T (+ epilogue) through the kernel set's GEMV, or None where it does not
-    apply (not in a decode function, no gemv in the kernel set, or a shape/dtype it does not take)."""
+    apply (not in a decode function, no gemv in the kernel set, or a shape/dtype it does not take).
+    x may be NormedRows: gemv_norm where it applies, else the norm's output through the plain path."""
+    if isinstance(x, NormedRows):
+        y = _gemv_normed(x, weight, out_dtype, epilogue, residual, name)
+        if y is not None:
+            return y
+        x = x.materialize()
     factory = _GEMV.get()
     if factory is None or len(x.shape) != 2 or len(weight.shape) != 2 or x.dtype != weight.dtype:
         return None
@@ -196,6 +260,7 @@ class Linear(nn.Module):
         y = _gemv(x, self.weight)
         if y is not None:
             return y
+        x = _rows(x)
         y = op.matmul(x, op.permute_dims(self.weight), out_dtype="float32")
         return y if self.dtype == "float32" else y.astype(self.dtype)
 
@@ -253,7 +318,7 @@ class MLP(nn.Module):
         elif isinstance(self.gate_up_proj, NVFP4Linear):
             h = self.gate_up_proj.decode_gemv(x, epilogue="silu_mul")
         if h is None:
-            gate, up = op.split(self.gate_up_proj(x), 2, axis=-1)
+            gate, up = op.split(self.gate_up_proj(_rows(x)), 2, axis=-1)
             h = op.silu(gate) * up
         return _project(self.down_proj, h, residual)
 
@@ -553,6 +618,7 @@ class Qwen3xForCausalLM(nn.Module):
         self._gemv_factory = getattr(kernels, "gemv", None)
         self._gemm_factory = getattr(kernels, "gemm", None)
         self._gemv_rows_factory = getattr(kernels, "gemv_rows", None)
+        self._gemv_norm_factory = getattr(kernels, "gemv_norm", None)
         token = _WEIGHT_QUANT.set(weight_quant)
         norm_token = _NORM.set(getattr(kernels, "rms_norm", None))
         try:
@@ -577,6 +643,15 @@ class Qwen3xForCausalLM(nn.Module):
     def _decode_gemv(self):
         return decode_gemv_scope(self._gemv_factory)
 
+    @contextlib.contextmanager
+    def _decode_norms(self):
+        """Trace decode / decode_mrope: the norms read only by dense decode GEMVs run inside them (gemv_norm)."""
+        token = _GEMV_NORM.set(self._gemv_norm_factory)
+        try:
+            yield
+        finally:
+            _GEMV_NORM.reset(token)
+
     def _body(self, x, positions, token_seq, cu_seqlens, page_table, slot_ids,
               kv_pool, conv_pool, ssm_pool, recurrent: bool, rope_positions=None, taps: list | None = None,
               keep: list | None = None):
@@ -590,13 +665,17 @@ class Qwen3xForCausalLM(nn.Module):
             tapped.extend([None] * len(tap_at))
         if _GEMV.get() is not None:  # residual adds fused into o_proj / out_proj / down_proj
             for li, layer in enumerate(self.model.layers):
-                h = layer.input_layernorm(x)
                 if layer.kind == "full_attention":
+                    h = _normed(layer.input_layernorm, x, [layer.self_attn.qkv_proj])
                     x, kv_pool = layer.self_attn(h, rope, positions, token_seq, page_table, kv_pool, residual=x, **rp)
                 else:
-                    x, conv_pool, ssm_pool = layer.linear_attn(h, cu_seqlens, slot_ids, conv_pool, ssm_pool,
-                                                               recurrent, residual=x, keep=keep)
-                x = layer.mlp(layer.post_attention_layernorm(x), residual=x)
+                    la = layer.linear_attn
+                    h = _normed(layer.input_layernorm, x, [la.in_proj_qkv_z, la.in_proj_ba] if keep is None else [])
+                    x, conv_pool, ssm_pool = la(h, cu_seqlens, slot_ids, conv_pool, ssm_pool, recurrent, residual=x,
+                                                keep=keep)
+                mlp = layer.mlp
+                x = mlp(_normed(layer.post_attention_layernorm, x,
+                                [mlp.gate_up_proj] if isinstance(mlp, MLP) else []), residual=x)
                 if li in tap_at:
                     tapped[tap_at[li]] = x
             return x, kv_pool, conv_pool, ssm_pool
@@ -614,7 +693,8 @@ class Qwen3xForCausalLM(nn.Module):
         return x, kv_pool, conv_pool, ssm_pool
 
     def _logits(self, h):
-        return self._head(self.model.norm(h))
+        head = self._head_weight() if self.cfg.tie_word_embeddings else self.lm_head
+        return self._head(_normed(self.model.norm, h, [head]))
 
     def prefill(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,
                 kv_pool, conv_pool, ssm_pool):
@@ -630,7 +710,7 @@ class Qwen3xForCausalLM(nn.Module):
 
     def _decode_rows(self, tokens, positions, page_table, slot_ids, kv_pool, conv_pool, ssm_pool,
                      rope_positions=None):
-        with self._decode_gemv():
+        with self._decode_gemv(), self._decode_norms():
             b = tokens.shape[0]
             rows = op.arange(0, b, dtype="int32")
             cu = op.arange(0, b + 1, dtype="int32")
@@ -675,9 +755,9 @@ class Qwen3xForCausalLM(nn.Module):
             if logits is not None:
                 return logits
         if self.cfg.tie_word_embeddings:
-            logits = op.matmul(hn, op.permute_dims(self.model.embed_tokens.weight))
+            logits = op.matmul(_rows(hn), op.permute_dims(self.model.embed_tokens.weight))
         else:
-            logits = self.lm_head(hn)
+            logits = self.lm_head(_rows(hn))
         return logits.astype("float32")
 
     def prefill_h(self, tokens, positions, token_seq, cu_seqlens, page_table, slot_ids, logit_rows,

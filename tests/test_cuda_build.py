@@ -85,11 +85,15 @@ def test_fused_launches_can_be_turned_off_by_the_schedule(tmp_path, monkeypatch)
     on = kernel_set(None, "sm_90")
     assert on.gdn_decode_conv is not None and on.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is not None
     (tmp_path / "cuda_sm_90.json").write_text(json.dumps(
-        {"kernels": {"fused": {"verify_attention": False, "gdn_decode_conv": False, "qk_norm_rope": False}}}))
+        {"kernels": {"fused": {"verify_attention": False, "gdn_decode_conv": False, "qk_norm_rope": False,
+                               "norm_gemv": False}}}))
     monkeypatch.setenv("NINFER_SCHEDULE_DIR", str(tmp_path))
     off = kernel_set(None, "sm_90")
     assert off.gdn_decode_conv is None and off.verify_attention(24, 4, 256, 64, 16, "bfloat16", 0.0625) is None
     assert off.qk_norm_rope is None and on.qk_norm_rope is not None
+    assert off.gemv_norm is None and on.gemv_norm is None  # norm_gemv: off unless a schedule turns it on
+    (tmp_path / "cuda_sm_90.json").write_text(json.dumps({"kernels": {"fused": {"norm_gemv": True}}}))
+    assert kernel_set(None, "sm_90").gemv_norm(5120, 34816, "bfloat16", "bfloat16", "silu_mul", norm_eps=1e-6)
     assert off.gdn_decode is not None  # the unfused decode step stays
 
 
@@ -211,7 +215,10 @@ def test_gemv_only_in_decode_functions():
         gemm = set(re.findall(r"call_tir\((?:cls\.)?(gemm\w*)", f.script()))
         if gv.name_hint in ("decode", "mtp_step", "verify", "mtp_step_hd"):
             assert any("silu_mul" in c for c in calls) and any("residual" in c for c in calls), gv.name_hint
-            assert any(c.endswith("_f32") for c in calls), "lm_head with fp32 logits"
+            assert any(c.endswith(("_f32", "_f32_rms")) for c in calls), "lm_head with fp32 logits"
+            # kernels.fused.norm_gemv is off by default: the norms stay their own launches everywhere
+            norms = re.findall(r"call_tir\((?:cls\.)?(rms_norm_\w*)", f.script())
+            assert norms and not {c for c in calls if c.endswith("_rms")}, gv.name_hint
             assert not gemm, gv.name_hint
             assert any(c.startswith("gemv_rows") for c in calls) == (gv.name_hint == "mtp_step_hd"), gv.name_hint
         elif gv.name_hint == "mtp_prefill_hd":  # prefill GEMMs, the shortlisted head through gemv_rows
@@ -241,6 +248,38 @@ def test_gemv_cuda_source_on_cpu_emulator():
     rows = run_emulation(quick=True, log=lambda *_: None)
     bad = [r for r in rows if not r["ok"]]
     assert rows and not bad, bad
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_gemv_norm_cuda_source_on_cpu_emulator():
+    """gemv(..., norm_eps): the RMSNorm folded into the GEMV, on the CPU emulator: rows of sizes 1e-2..1e2 (the norm
+    is per batch row), every epilogue and fp32 out, one warp / several warps splitting K, n on both sides of the
+    n <= 8 launch branch; equal to the fused roundings (bf16(x * g), sums / rms) within the output rounding, and to
+    rms_norm + gemv within twice that."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gemv import EMU_NORM_CASES, EMU_NORM_NS, run_norm_emulation
+
+    rows = run_norm_emulation(log=lambda *_: None)
+    bad = [r for r in rows if not r["ok"]]
+    assert len(rows) == len(EMU_NORM_CASES) * len(EMU_NORM_NS) and not bad, bad
+
+
+def test_gemv_norm_contract():
+    """gemv_norm applies to bf16 dense weights on the tensor-core path only (x, g, w, [res], out); None elsewhere
+    (the model then keeps the norm launch); the llvm set has none."""
+    from ninfer_mlc.compile.kernels.cuda.emulate.gemv import default_params
+    from ninfer_mlc.compile.kernels.cuda import gemv as G
+    from ninfer_mlc.compile.kernels.registry import kernel_set
+
+    f = G.gemv(5120, 248320, "bfloat16", "float32", "none", **default_params(), norm_eps=1e-6)
+    assert [str(p.name) for p in f.params] == ["x", "g", "w", "out"]
+    assert 'g: T.Buffer((5120,), "float32")' in f.script() and str(f.attrs["global_symbol"]).endswith("_f32_rms")
+    r = G.gemv(768, 32, "bfloat16", "bfloat16", "residual", **default_params(), norm_eps=1e-6)
+    assert len(r.params) == 5
+    assert G.gemv(256, 48, "float16", "float16", "none", norm_eps=1e-6) is None
+    assert G.gemv(256, 48, "float32", "float32", "none", norm_eps=1e-6) is None
+    assert G.gemv(100, 48, "bfloat16", "bfloat16", "none", norm_eps=1e-6) is None  # K % 8: FMA path
+    assert G.gemv(256, 48, "bfloat16", "bfloat16", "none", weight_format="nvfp4", norm_eps=1e-6) is None
+    assert kernel_set("llvm").gemv_norm is None
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -32,6 +32,7 @@ def kernel_set(target_kind: str = "llvm", kv_dtype: str | None = None) -> Simple
         recurrent_delta_rule=gdn.recurrent_delta_rule,
         gemv=None,  # decode projections stay relax matmuls (CUDA: kernels/cuda/gemv.py)
         gemv_rows=None,  # the shortlisted MTP head stays a relax matmul (CUDA: gemv.py gemv_rows)
+        gemv_norm=None,  # decode's RMSNorms stay their own ops (CUDA: folded into the bf16 GEMVs, gemv.py norm_eps)
         rms_norm=None,  # relax rms_norm (CUDA: one launch, kernels/cuda/norm.py)
         qk_norm_rope=None,  # attention's split + q/k norms + RoPE stay separate (CUDA: kernels/cuda/qk_norm_rope.py)
         gdn_decode=None,  # unfused GDN decode math (CUDA: one launch, kernels/cuda/gdn_decode.py)

@@ -112,6 +112,19 @@ def _ldg_source(name: str, qual: str) -> str:
 _LDG_W_SRC = _ldg_source(_LDG_W, ".L1::no_allocate.L2::256B")
 _LDG_X_SRC = _ldg_source(_LDG_X, "")
 
+# RMS-normed input (gemv(..., norm_eps)): one bf16x2 x word -> its squares added to *ss (fp32, before the weight)
+# and the word times the norm weight (g0, g1: fp32 bits), rounded to bf16 (nearest even) for the mma
+_RMS_X = "ninfer_gemv_rms_x_bf16"
+_RMS_X_SRC = (
+    "__device__ __forceinline__ unsigned ninfer_gemv_rms_x_bf16(unsigned x, unsigned g0, unsigned g1, float* ss) {\n"
+    "  float lo = __uint_as_float(x << 16), hi = __uint_as_float(x & 0xffff0000u);\n"
+    "  *ss = *ss + (lo * lo + hi * hi);\n"
+    "  unsigned a = __float_as_uint(lo * __uint_as_float(g0)), b = __float_as_uint(hi * __uint_as_float(g1));\n"
+    "  a = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;\n"
+    "  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;\n"
+    "  return a | b;\n"
+    "}\n")
+
 # cp.async global -> shared (NVFP4 staged path): 16 bytes (.cg, L2 prefetch as the weight loads) or 4 bytes (.ca);
 # a false predicate zero-fills and reads nothing. One source string per helper (TVM emits each name's once).
 _CP16 = "ninfer_gemv_cp16"
@@ -190,11 +203,33 @@ def _silu_mul(dtype, out_dtype, gate, up):
     return T.Cast(out_dtype, g / (T.float32(1) + T.exp(-g)) * u)
 
 
-def _entry(K, O, OO, dtype, out_dtype, has_res, nvfp4, run):
+def _entry(K, O, OO, dtype, out_dtype, has_res, nvfp4, run, norm=False):
     """The kernel's prim_func: x[n, K] dtype, the weight (dtype [O, K], or NVFP4: codes u8 [O, K/2], block
     scales u8 [O, K/16], row scales f32 [O]), [res[n, OO]], out[n, OO] out_dtype; its body is the macro
-    run(n, x, w, ws, ws2, res, out) (ws, ws2 / res None where absent)."""
-    if nvfp4 and has_res:
+    run(n, x, w, ws, ws2, res, out) (ws, ws2 / res None where absent). norm: x[n, K], g[K] f32 (the RMSNorm
+    weight, passed to run as ws), w, [res], out."""
+    if norm and has_res:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_g: T.handle, var_w: T.handle, var_res: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            g = T.match_buffer(var_g, (K,), "float32")
+            w = T.match_buffer(var_w, (O, K), dtype)
+            res = T.match_buffer(var_res, (n, OO), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, g, None, res, out)
+    elif norm:
+        @T.prim_func
+        def gemv(var_x: T.handle, var_g: T.handle, var_w: T.handle, var_out: T.handle):
+            T.func_attr({"tirx.noalias": True})
+            n = T.int64()
+            x = T.match_buffer(var_x, (n, K), dtype)
+            g = T.match_buffer(var_g, (K,), "float32")
+            w = T.match_buffer(var_w, (O, K), dtype)
+            out = T.match_buffer(var_out, (n, OO), out_dtype)
+            run(n, x, w, g, None, None, out)
+    elif nvfp4 and has_res:
         @T.prim_func
         def gemv(var_x: T.handle, var_w: T.handle, var_ws: T.handle, var_ws2: T.handle, var_res: T.handle,
                  var_out: T.handle):
@@ -261,17 +296,40 @@ def _mma_rows(O, epilogue):
     return row_lo, row_hi, lo_ok, hi_ok
 
 
-def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale, RT=1):
+def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale, RT=1, norm=None):
     """The tensor-core kernels' end of a batch pass: the warps' C fragments to shared memory, summed over
     warps, scale(ws2, row, sum), the epilogue and the store. -> macro (n, ps, tile, tx, acc, part, red, ws2,
     res, out, t); part is NW * NBT * 128 fp32 shared; acc holds RT tiles' fragments, batch tile bt of tile t at
-    (bt * RT + t) * 4."""
+    (bt * RT + t) * 4. norm (K, eps): the input rows were RMS-normed in the kernel (gemv(..., norm_eps)); part
+    then holds NW * NBT * 32 more floats after the fragments, each lane's sum of squares of its x row (written
+    by the body before this pass), and every sum is divided by sqrt(mean of squares + eps) of its batch row
+    (red[2])."""
     silu = epilogue == "silu_mul"
     has_res = epilogue == "residual"
     NB = 8 * NBT
     NE = NBT * (64 if silu else 128)  # epilogue entries per pass
     NEP = (NE + NT - 1) // NT
     row_lo, row_hi, lo_ok, _ = _mma_rows(O, epilogue)
+    SQ = NW * NBT * 128  # start of the sums of squares in part (norm)
+
+    if norm is None:
+        @T.macro
+        def rms_of(red, part, lb):
+            T.evaluate(0)
+    else:
+        NK, EPS = norm
+
+        @T.macro
+        def rms_of(red, part, lb):
+            """red[2] = sqrt(mean(x^2) + eps) of the pass's batch row lb: its lanes' (q = 0..3) and warps' sums"""
+            red[2] = T.float32(0)
+            for w in range(NW):
+                for q in T.unroll(4):
+                    red[2] = red[2] + part[SQ + (w * NBT + lb // 8) * 32 + lb % 8 * 4 + q]
+            red[2] = T.sqrt(red[2] / T.float32(NK) + T.float32(EPS))
+
+    def normed(red, i):
+        return red[i] if norm is None else red[i] / red[2]
 
     def part_index(w, bt, lane, i):
         return ((w * NBT + bt) * 32 + lane) * 4 + i
@@ -311,23 +369,25 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
                     for w in range(NW):
                         red[0] = red[0] + part[s_part(w, e0 * NT + tx, 0)]
                         red[1] = red[1] + part[s_part(w, e0 * NT + tx, 1)]
+                    rms_of(red, part, s_b(0, e0 * NT + tx))
                     if s_b(ps, e0 * NT + tx) < n and (lo_ok(tile, s_slot(e0 * NT + tx)) if row_pred else True):
                         out[s_b(ps, e0 * NT + tx), row_lo(tile, s_slot(e0 * NT + tx))] = _silu_mul(
                             dtype, out_dtype,
-                            scale(ws2, row_lo(tile, s_slot(e0 * NT + tx)), red[0]),
-                            scale(ws2, row_hi(tile, s_slot(e0 * NT + tx)), red[1]))
+                            scale(ws2, row_lo(tile, s_slot(e0 * NT + tx)), normed(red, 0)),
+                            scale(ws2, row_hi(tile, s_slot(e0 * NT + tx)), normed(red, 1)))
                 else:
                     red[0] = T.float32(0)
                     for w in range(NW):
                         red[0] = red[0] + part[p_part(w, e0 * NT + tx)]
+                    rms_of(red, part, p_b(0, e0 * NT + tx))
                     if p_b(ps, e0 * NT + tx) < n and (p_row(tile, e0 * NT + tx) < O if row_pred else True):
                         if has_res:
                             out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = _epilogue_value(
-                                epilogue, dtype, out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), red[0]),
+                                epilogue, dtype, out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), normed(red, 0)),
                                 res[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)])
                         else:
                             out[p_b(ps, e0 * NT + tx), p_row(tile, e0 * NT + tx)] = T.Cast(
-                                out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), red[0]))
+                                out_dtype, scale(ws2, p_row(tile, e0 * NT + tx), normed(red, 0)))
         T.tvm_storage_sync("shared")
 
     return epilogue_pass
@@ -335,14 +395,20 @@ def _mma_epilogue(O, dtype, out_dtype, epilogue, *, NBT, NW, NT, row_pred, scale
 
 # ---------------------------------------------------------------------------------------------
 def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, target_warps, big_tiles, sms,
-             rolled=False, o_plan=None):
+             rolled=False, o_plan=None, norm_eps=None):
     """The tensor-core path's body: macro run(n, x, w, ws, ws2, res, out) (also the prefill GEMM's few-row launch).
     rolled: the warp-iteration loop under `#pragma unroll 1` (nvcc otherwise unrolls short loops, e.g. K = 2048's 16
     iterations, and ptxas then interleaves later iterations' loads with earlier mma.sync instead of issuing each
     iteration's loads at once as in the rolled loop of long K; a bench variant, bench/gemv_gpu_check.py).
     O may be a tirx Var (gemv_rows: weight rows known at run time); the warps per block and launch bounds are then
-    those of O = o_plan, and every row is predicated."""
+    those of O = o_plan, and every row is predicated.
+    norm_eps (bf16 only): x rows are the un-normed hidden states and run's `ws` the RMSNorm weight g [K] (fp32): the
+    lanes square their x words as they load them and feed bf16(x * g) to the mma; the epilogue divides each batch
+    row's sums by sqrt(mean(x^2) + eps) (the decode's input / post-attention / final norms folded into the GEMV
+    that consumes them: one launch fewer each)."""
     silu = epilogue == "silu_mul"
+    norm = None if norm_eps is None else (K, float(norm_eps))
+    NORM = norm is not None
     symbolic = not isinstance(O, int)
     plan = int(o_plan) if symbolic else O
     U = unroll
@@ -376,14 +442,16 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
         # that register budget (without a minimum it trades the load batching for fewer registers)
         MB = min_blocks if NBT == 1 else 1
         epilogue_pass = _mma_epilogue(O, dtype, out_dtype, epilogue, NBT=NBT, NW=NW, NT=NT, row_pred=row_pred,
-                                      scale=lambda ws2, row, v: v)
+                                      scale=lambda ws2, row, v: v, norm=norm)
+        SQ = NW * NBT * 128
+        NPART = SQ + (NW * NBT * 32 if NORM else 0)
 
         def xrow(ps, bt, tx):
             """batch row whose x lane tx loads for batch tile bt (B column g = lane/4)"""
             return T.Cast("int64", ps * NB + bt * 8 + tx % 32 // 4)
 
         @T.macro
-        def body(n, xu, wu, res, out):
+        def body(n, xu, wu, gn, res, out):
             for tile in T.thread_binding(TILES, thread="blockIdx.x"):
                 for tx in T.thread_binding(NT, thread="threadIdx.x"):
                     with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", MB):
@@ -391,11 +459,15 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
                         wh = T.alloc_buffer((U * 4,), "uint32", scope="local")
                         xr = T.alloc_buffer((NBT * U * 4,), "uint32", scope="local")
                         acc = T.alloc_buffer((NBT * 4,), "float32", scope="local")
-                        red = T.alloc_buffer((2,), "float32", scope="local")
-                        part = T.alloc_buffer((NW * NBT * 128,), "float32", scope="shared")
+                        red = T.alloc_buffer((3,), "float32", scope="local")
+                        part = T.alloc_buffer((NPART,), "float32", scope="shared")
+                        gw = T.alloc_buffer((U * 8 if NORM else 1,), "uint32", scope="local")
+                        ssq = T.alloc_buffer((NBT,), "float32", scope="local")
                         for ps in range((n + NB - 1) // NB):
                             for i in T.unroll(NBT * 4):
                                 acc[i] = T.float32(0)
+                            for bt in T.unroll(NBT):
+                                ssq[bt] = T.float32(0)
                             for it in T.serial(NIT, annotations=iter_ann):
                                 for u in T.unroll(U):
                                     # weight rows g and g+8 of the tile and x row g of each batch tile, 16 bytes at k0
@@ -414,6 +486,20 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
                                             _LDG_X, T.address_of(xu[xrow(ps, bt, tx) * KU + k0(it, tx, u) // 2]),
                                             T.Cast("int32", T.And(k_ok(it, tx, u), xrow(ps, bt, tx) < n)),
                                             source_code=_LDG_X_SRC, return_type="uint32x4")
+                                if NORM:
+                                    for u in T.unroll(U):
+                                        for h in T.unroll(2):  # g[k0 .. k0 + 8) as fp32 bits
+                                            gw[T.ramp(u * 8 + h * 4, 1, 4)] = T.cuda.func_call(
+                                                _LDG_X, T.address_of(gn[k0(it, tx, u) + h * 4]),
+                                                T.Cast("int32", k_ok(it, tx, u)),
+                                                source_code=_LDG_X_SRC, return_type="uint32x4")
+                                    for u in T.unroll(U):
+                                        for bt in T.unroll(NBT):
+                                            for j in T.unroll(4):
+                                                xr[(bt * U + u) * 4 + j] = T.cuda.func_call(
+                                                    _RMS_X, xr[(bt * U + u) * 4 + j], gw[u * 8 + 2 * j],
+                                                    gw[u * 8 + 2 * j + 1], T.address_of(ssq[bt]),
+                                                    source_code=_RMS_X_SRC, return_type="uint32")
                                 for u in T.unroll(U):
                                     for bt in T.unroll(NBT):
                                         for j in T.unroll(2):
@@ -423,6 +509,9 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
                                                 wl[u * 4 + 2 * j + 1], wh[u * 4 + 2 * j + 1],
                                                 xr[(bt * U + u) * 4 + 2 * j], xr[(bt * U + u) * 4 + 2 * j + 1],
                                                 source_code=mma_src)
+                            if NORM:  # each lane's sum of squares of its x row, for the epilogue (after its barrier)
+                                for bt in T.unroll(NBT):
+                                    part[SQ + (tx // 32 * NBT + bt) * 32 + tx % 32] = ssq[bt]
                             epilogue_pass(n, ps, tile, tx, acc, part, red, None, res, out, 0)
 
         return body
@@ -435,9 +524,9 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
         xu = T.decl_buffer((n * KU,), "uint32", data=x.data)
         wu = T.decl_buffer((O * KU,), "uint32", data=w.data)
         if n <= 8:
-            small(n, xu, wu, res, out)
+            small(n, xu, wu, ws, res, out)
         else:
-            big(n, xu, wu, res, out)
+            big(n, xu, wu, ws, res, out)
 
     return run
 
@@ -445,7 +534,7 @@ def _mma_run(K, O, dtype, out_dtype, epilogue, *, unroll, min_warps, max_warps, 
 def _mma_func(K, O, dtype, out_dtype, epilogue, **params):
     OO = O // 2 if epilogue == "silu_mul" else O
     return _entry(K, O, OO, dtype, out_dtype, epilogue == "residual", False,
-                  _mma_run(K, O, dtype, out_dtype, epilogue, **params))
+                  _mma_run(K, O, dtype, out_dtype, epilogue, **params), norm=params.get("norm_eps") is not None)
 
 
 def mma_run(K: int, O: int, dtype: str, out_dtype: str, epilogue: str, *, unroll: int = 4, min_warps: int = 1,
@@ -984,14 +1073,25 @@ def gemv_rows(in_features: int, dtype: str, out_dtype: str | None = None, *, row
 @lru_cache(maxsize=None)
 def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None, epilogue: str = "none", *,
          unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
-         fma_warps: int = 4, sms: int = 132, weight_format: str | None = None, rolled: bool | None = None):
+         fma_warps: int = 4, sms: int = 132, weight_format: str | None = None, rolled: bool | None = None,
+         norm_eps: float | None = None):
     """The prim_func for y = x[n, in] @ w[out, in]^T + epilogue, or None where it does not apply
     (the caller keeps its matmul). Output [n, out] (silu_mul: [n, out/2]) in out_dtype (default dtype).
     weight_format "nvfp4": gemv_nvfp4 (NVFP4Linear's buffers) with NVFP4_DEFAULTS for its own unroll /
-    big_tiles and the other parameters as given. rolled: _mma_run's (None: for K <= ROLLED_MAX_K)."""
+    big_tiles and the other parameters as given. rolled: _mma_run's (None: for K <= ROLLED_MAX_K).
+    norm_eps: y = rms_norm(x, g, norm_eps) @ w^T + epilogue with g [in] fp32 the second argument (x, g, w, [res],
+    out): the norm folded into the GEMV (bf16 tensor-core path only; None elsewhere)."""
     K, O = int(in_features), int(out_features)
     out_dtype = out_dtype or dtype
     rolled = K <= ROLLED_MAX_K if rolled is None else rolled
+    if norm_eps is not None:
+        if weight_format is not None or dtype != "bfloat16" or K % 8 or not supported(K, O, dtype, out_dtype,
+                                                                                      epilogue):
+            return None
+        f = _mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
+                      target_warps=target_warps, big_tiles=big_tiles, sms=sms, rolled=rolled,
+                      norm_eps=float(norm_eps))
+        return f.with_attr("global_symbol", symbol(K, O, dtype, out_dtype, epilogue) + "_rms")
     if weight_format == "nvfp4":
         return gemv_nvfp4(K, O, dtype, out_dtype, epilogue, min_warps=min_warps, max_warps=max_warps,
                           target_warps=target_warps, fma_warps=fma_warps, sms=sms,

@@ -67,6 +67,74 @@ EMU_ROWS_CASES = [
 EMU_ROWS_SHAPES = [(40, 1), (7, 3), (64, 8), (48, 13)]  # (m, n): m % 16 != 0, m < 16, n on both launch sides
 
 
+# gemv(..., norm_eps): the RMSNorm folded into the GEMV (bf16): (K, O, epilogue, out dtype, params), each at EMU_NORM_NS
+EMU_NORM_CASES = [
+    (256, 48, "none", "bfloat16", {}),
+    (1024, 64, "silu_mul", "bfloat16", {"target_warps": 1}),  # one warp: the whole row's squares in one warp
+    (5120, 40, "none", "float32", {}),  # 27B K over several warps, fp32 out (the lm_head), O % 16 != 0
+    (512, 36, "silu_mul", "bfloat16", {"unroll": 1, "min_warps": 4, "max_warps": 4}),  # 4 warps, OO % 8 != 0
+    (768, 32, "residual", "bfloat16", {}),
+]
+EMU_NORM_NS = (1, 3, 8, 13)  # both sides of the n <= 8 launch branch; 13: two batch tiles of the big launch
+NORM_EPS = 1e-6
+
+
+def norm_reference(x32, g32, w32, res32, epilogue: str, out_dtype: str, eps: float = NORM_EPS, fused: bool = False):
+    """fused=False: rms_norm (compile/kernels/cuda/norm.py: bf16(x / sqrt(mean(x^2) + eps) * g)) then the GEMV
+    reference, what the fused kernel replaces; fused=True: the fused kernel's roundings (bf16(x * g) into the
+    products, the fp32 sums divided by sqrt(mean(x^2) + eps), then the epilogue)."""
+    rms = np.sqrt((x32.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps)
+    if not fused:
+        xn = round_to(x32 / rms * g32, "bfloat16")
+        return reference(xn, w32, res32, epilogue, "bfloat16", out_dtype, round_to)
+    y = ((round_to(x32 * g32, "bfloat16").astype(np.float64) @ w32.astype(np.float64).T) / rms).astype(np.float32)
+    if epilogue == "residual":
+        return round_to(res32 + round_to(y, "bfloat16"), out_dtype)
+    if epilogue == "silu_mul":
+        h = y.shape[1] // 2
+        g, u = round_to(y[:, :h], "bfloat16"), round_to(y[:, h:], "bfloat16")
+        return round_to(g / (1 + np.exp(-g)) * u, out_dtype)
+    return round_to(y, out_dtype)
+
+
+def run_norm_emulation(log=print) -> list[dict]:
+    """The EMU_NORM_CASES kernels in one emulator at every EMU_NORM_NS, rows of very different sizes (the norm is
+    per row), against norm_reference."""
+    from .. import gemv as G
+    from .lib import EmuLib
+
+    funcs, meta = {}, []
+    for i, (k, o, ep, odt, prm) in enumerate(EMU_NORM_CASES):
+        f = G.gemv(k, o, "bfloat16", odt, ep, **{**default_params(), **prm}, norm_eps=NORM_EPS)
+        sym = f"emu{i}_" + str(f.attrs["global_symbol"])
+        funcs[sym] = f.with_attr("global_symbol", sym)
+        meta.append((sym, k, o, ep, odt, prm))
+    lib = EmuLib(funcs)
+    rows = []
+    for sym, k, o, ep, odt, prm in meta:
+        oo = o // 2 if ep == "silu_mul" else o
+        for n in EMU_NORM_NS:
+            rng = np.random.default_rng(k + o + n)
+            size = 10.0 ** rng.uniform(-2, 2, (n, 1))
+            x = (rng.standard_normal((n, k)) * size).astype(np_dtype("bfloat16"))
+            g = rng.uniform(0.5, 1.5, k).astype(np.float32)
+            w = (rng.standard_normal((o, k)) * k ** -0.5).astype(np_dtype("bfloat16"))
+            r = rng.standard_normal((n, oo)).astype(np_dtype("bfloat16"))
+            y = np.full((n, oo), np.nan, np.float32).astype(np_dtype(odt))
+            lib(sym, dict(x=x, g=g, w=w, out=y, **({"res": r} if ep == "residual" else {})))
+            args = (x.astype(np.float32), g, w.astype(np.float32), r.astype(np.float32), ep, odt)
+            got = y.astype(np.float32)
+            err = rel_err(got, norm_reference(*args, fused=True))
+            # bf16(x * g) / rms and bf16(x / rms * g) round differently (the silu epilogue rounds its inputs
+            # again): the unfused sequence within twice the output rounding, the fused roundings within it
+            err_unfused = rel_err(got, norm_reference(*args))
+            row = dict(K=k, O=o, epilogue=ep, out_dtype=odt, params=prm, n=n, rel_err=err, rel_err_unfused=err_unfused,
+                       ok=bool(err <= TOL[odt] and err_unfused <= 2 * TOL["bfloat16"]))
+            rows.append(row)
+            log(json.dumps(row))
+    return rows
+
+
 def run_rows_emulation(log=print) -> list[dict]:
     """The EMU_ROWS_CASES gemv_rows kernels in one emulator at every EMU_ROWS_SHAPES (m, n)."""
     from .. import gemv as G

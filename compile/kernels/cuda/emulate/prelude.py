@@ -424,6 +424,16 @@ static inline uint16_t emu_bf16_rn(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
   u += 0x7fffu + ((u >> 16) & 1u); return (uint16_t)(u >> 16);
 }
+// the RMS-normed input word (gemv.py _RMS_X_SRC, the same arithmetic: squares added, times g, rounded to bf16)
+static inline unsigned ninfer_gemv_rms_x_bf16(unsigned x, unsigned g0, unsigned g1, float* ss) {
+  unsigned xl = x << 16, xh = x & 0xffff0000u; float lo, hi, a0, a1; memcpy(&lo, &xl, 4); memcpy(&hi, &xh, 4);
+  memcpy(&a0, &g0, 4); memcpy(&a1, &g1, 4);
+  *ss = *ss + (lo * lo + hi * hi);
+  float pa = lo * a0, pb = hi * a1; unsigned a, b; memcpy(&a, &pa, 4); memcpy(&b, &pb, 4);
+  a = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+  return a | b;
+}
 static inline unsigned ninfer_bf16x2_mul(unsigned a, unsigned b) {
   float lo = emu_h2f_bf16((uint16_t)a) * emu_h2f_bf16((uint16_t)b);
   float hi = emu_h2f_bf16((uint16_t)(a >> 16)) * emu_h2f_bf16((uint16_t)(b >> 16));
