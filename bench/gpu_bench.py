@@ -320,8 +320,14 @@ def prep_tiny(out: Path, arch: str, family: str, seed: int, save: str = "save_hf
     import hf_tiny
 
     from ninfer_mlc.compile.build import compile_model
+    from ninfer_mlc.compile.kernels.cuda.registry import kernel_params
+    from ninfer_mlc.compile.kernels.registry import llvm_norm_gemv_scope
     from ninfer_mlc.runtime.harness import Harness
 
+    # the llvm references fold decode's norms where the CUDA build does (kernels.fused.norm_gemv), with its
+    # roundings (compile/kernels/norm_gemv.py): the check then compares like with like at its tight bound
+    kp = kernel_params(arch)
+    fold_min_k = kp["norm_gemv"]["min_k"] if kp["fused"]["norm_gemv"] else None
     model = hf_tiny.make_hf_model(family, seed=seed)
     hf_dir = getattr(hf_tiny, save)(model, out / "_hf_tiny")
     ids = tiny_ids(model.config.vocab_size)
@@ -331,12 +337,14 @@ def prep_tiny(out: Path, arch: str, family: str, seed: int, save: str = "save_hf
     for quant in ("f32", "bf16"):
         compile_model(hf_dir, target="cuda:" + arch, quant=quant, out_dir=out / f"tiny-{quant}",
                       name=f"tiny-{quant}", log=lambda *_: None)
-        lart = compile_model(hf_dir, target="llvm", quant=quant, out_dir=out / f"_llvm-{quant}",
-                             name=f"llvm-{quant}", log=lambda *_: None)
+        with llvm_norm_gemv_scope(fold_min_k):
+            lart = compile_model(hf_dir, target="llvm", quant=quant, out_dir=out / f"_llvm-{quant}",
+                                 name=f"llvm-{quant}", log=lambda *_: None)
         r = Harness(lart, kv_capacity_tokens=2048, num_slots=6)
         for k, v in run_scenarios(r, ids).items():
             refs[f"llvm_{quant}/{k}"] = v
     refs["ids"] = np.array(ids, np.int32)
+    refs["llvm_norm_gemv_min_k"] = np.array(-1 if fold_min_k is None else fold_min_k, np.int64)
     np.savez(out / "tiny_ref.npz", **refs)
 
 
@@ -405,6 +413,9 @@ def cmd_check(a):
     ref = dict(np.load(out / "tiny_ref.npz"))
     ids = ref["ids"].tolist()
     hf = ref["hf"]
+    fold = int(ref.get("llvm_norm_gemv_min_k", -1))  # prep's llvm references folded the norms like the CUDA build
+    res["llvm_norm_gemv_min_k"] = None if fold < 0 else fold
+    print(f"tiny references: llvm norms {'folded (min_k %d)' % fold if fold >= 0 else 'separate'}", flush=True)
     for quant in ("f32", "bf16"):
         art = out / f"tiny-{quant}"
         try:

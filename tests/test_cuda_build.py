@@ -93,7 +93,12 @@ def test_fused_launches_can_be_turned_off_by_the_schedule(tmp_path, monkeypatch)
     assert off.qk_norm_rope is None and on.qk_norm_rope is not None
     assert off.gemv_norm is None and on.gemv_norm is None  # norm_gemv: off unless a schedule turns it on
     (tmp_path / "cuda_sm_90.json").write_text(json.dumps({"kernels": {"fused": {"norm_gemv": True}}}))
-    assert kernel_set(None, "sm_90").gemv_norm(5120, 34816, "bfloat16", "bfloat16", "silu_mul", norm_eps=1e-6)
+    folded = kernel_set(None, "sm_90").gemv_norm
+    assert folded(5120, 34816, "bfloat16", "bfloat16", "silu_mul", norm_eps=1e-6)
+    assert folded(2048, 12288, "bfloat16", "bfloat16", "none", norm_eps=1e-6) is None  # below norm_gemv.min_k
+    (tmp_path / "cuda_sm_90.json").write_text(json.dumps({"kernels": {"fused": {"norm_gemv": True},
+                                                                      "norm_gemv": {"min_k": 0}}}))
+    assert kernel_set(None, "sm_90").gemv_norm(2048, 12288, "bfloat16", "bfloat16", "none", norm_eps=1e-6)
     assert off.gdn_decode is not None  # the unfused decode step stays
 
 
@@ -279,7 +284,8 @@ def test_gemv_norm_contract():
     assert G.gemv(256, 48, "float32", "float32", "none", norm_eps=1e-6) is None
     assert G.gemv(100, 48, "bfloat16", "bfloat16", "none", norm_eps=1e-6) is None  # K % 8: FMA path
     assert G.gemv(256, 48, "bfloat16", "bfloat16", "none", weight_format="nvfp4", norm_eps=1e-6) is None
-    assert kernel_set("llvm").gemv_norm is None
+    assert G.gemv(2048, 48, "bfloat16", "bfloat16", "none", norm_eps=1e-6, norm_min_k=4096) is None
+    assert kernel_set("llvm").gemv_norm is None  # outside llvm_norm_gemv_scope (tests/test_norm_gemv_llvm.py)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")

@@ -1,5 +1,5 @@
-"""With kernels.fused.norm_gemv on (a schedule override), the CUDA decode folds every RMSNorm read only by dense bf16
-GEMVs into them; verify / mtp_step keep their norm launches."""
+"""With kernels.fused.norm_gemv on (a schedule override; min_k 0, the tiny model's K is 128), the CUDA decode folds
+every RMSNorm read only by dense bf16 GEMVs into them; verify / mtp_step keep their norm launches."""
 import json
 import re
 
@@ -15,7 +15,8 @@ def test_decode_norms_fold_into_gemvs(tmp_path, monkeypatch, on):
     from ninfer_mlc.compile.config import parse_config
     from ninfer_mlc.compile.model import Qwen3xForCausalLM
 
-    (tmp_path / "cuda_sm_90.json").write_text(json.dumps({"kernels": {"fused": {"norm_gemv": on}}}))
+    (tmp_path / "cuda_sm_90.json").write_text(json.dumps({"kernels": {"fused": {"norm_gemv": on},
+                                                                     "norm_gemv": {"min_k": 0}}}))
     monkeypatch.setenv("NINFER_SCHEDULE_DIR", str(tmp_path))
     cfg = parse_config(tiny_default.CONFIG)
     with Target({"kind": "cuda", "arch": "sm_90"}):

@@ -1074,19 +1074,19 @@ def gemv_rows(in_features: int, dtype: str, out_dtype: str | None = None, *, row
 def gemv(in_features: int, out_features: int, dtype: str, out_dtype: str | None = None, epilogue: str = "none", *,
          unroll: int = 4, min_warps: int = 1, max_warps: int = 8, target_warps: int = 2048, big_tiles: int = 4,
          fma_warps: int = 4, sms: int = 132, weight_format: str | None = None, rolled: bool | None = None,
-         norm_eps: float | None = None):
+         norm_eps: float | None = None, norm_min_k: int = 0):
     """The prim_func for y = x[n, in] @ w[out, in]^T + epilogue, or None where it does not apply
     (the caller keeps its matmul). Output [n, out] (silu_mul: [n, out/2]) in out_dtype (default dtype).
     weight_format "nvfp4": gemv_nvfp4 (NVFP4Linear's buffers) with NVFP4_DEFAULTS for its own unroll /
     big_tiles and the other parameters as given. rolled: _mma_run's (None: for K <= ROLLED_MAX_K).
     norm_eps: y = rms_norm(x, g, norm_eps) @ w^T + epilogue with g [in] fp32 the second argument (x, g, w, [res],
-    out): the norm folded into the GEMV (bf16 tensor-core path only; None elsewhere)."""
+    out): the norm folded into the GEMV (bf16 tensor-core path with K >= norm_min_k only; None elsewhere)."""
     K, O = int(in_features), int(out_features)
     out_dtype = out_dtype or dtype
     rolled = K <= ROLLED_MAX_K if rolled is None else rolled
     if norm_eps is not None:
-        if weight_format is not None or dtype != "bfloat16" or K % 8 or not supported(K, O, dtype, out_dtype,
-                                                                                      epilogue):
+        if weight_format is not None or dtype != "bfloat16" or K % 8 or K < norm_min_k \
+                or not supported(K, O, dtype, out_dtype, epilogue):
             return None
         f = _mma_func(K, O, dtype, out_dtype, epilogue, unroll=unroll, min_warps=min_warps, max_warps=max_warps,
                       target_warps=target_warps, big_tiles=big_tiles, sms=sms, rolled=rolled,

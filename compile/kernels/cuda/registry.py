@@ -59,8 +59,13 @@ DEFAULT_KERNELS: dict[str, dict[str, Any]] = {
     # (qk_norm_rope.py: the attention's split + q/k norms + RoPE in one launch), norm_gemv (gemv.py norm_eps: decode's
     # input / post-attention / final RMSNorms inside the bf16 GEMVs that read them; OFF by default: 27B decode
     # 0.8-1.0 ms faster on the H100 (run 11) but the tiny bf16 GPU check's decode top-1 agreement with llvm fell to
-    # 84 % and the 35B-A3B's short-K GEMVs got slower; on only through a schedule override until that is understood)
+    # 84 % (an unfolded llvm reference; bench/gpu_bench.py prep now folds its llvm reference the same way, and on the
+    # CPU the fold moves the tiny bf16 logits by only 3e-3) and the 35B-A3B's short-K GEMVs got slower (norm_gemv.min_k
+    # below); on only through a schedule override until that check passes on a GPU)
     "fused": {"verify_attention": True, "gdn_decode_conv": True, "qk_norm_rope": True, "norm_gemv": False},
+    # the norm fold (fused.norm_gemv) only into GEMVs of at least min_k inputs: the 35B-A3B's K = 2048 GEMVs got
+    # slower with the per-word squares and scales (run 11: 3.99 vs 3.77 ms per b=1 step), the 27B's K = 5120 faster
+    "norm_gemv": {"min_k": 4096},
 }
 # kernels that exist for one arch only (wgmma: sm_90a)
 ARCH_ONLY = {"gemm": ("sm_90",), "moe_wgmma": ("sm_90",)}
@@ -159,7 +164,8 @@ def kernel_set(kv_dtype: str | None = None, arch: str | None = None) -> SimpleNa
         gemv=partial(gemv_kernels.gemv, **p["gemv"]),
         # gemv_norm(in, out, dtype, out_dtype, epilogue, norm_eps=eps) -> gemv of rms_norm(x, g) (args x, g, w, [res],
         # out), or None where it does not apply (bf16 dense weights only): the decode's norms fold into their GEMVs
-        gemv_norm=partial(gemv_kernels.gemv, **p["gemv"]) if p["fused"]["norm_gemv"] else None,
+        gemv_norm=partial(gemv_kernels.gemv, **p["gemv"], norm_min_k=p["norm_gemv"]["min_k"])
+        if p["fused"]["norm_gemv"] else None,
         # gemv_rows(in, dtype, out_dtype=None) -> gemv over a weight of run-time rows (the shortlisted MTP head)
         gemv_rows=partial(gemv_kernels.gemv_rows, **p["gemv"]),
         # rms_norm(dim, dtype, eps) -> one-launch RMSNorm over the last axis (every function)
